@@ -1,0 +1,39 @@
+# The two commands that matter: `make lab` and `make test`. Both build .venv on first use.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Re-install only when the pins (pyproject.toml) change.
+STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv lab test demo bench bench-kernels labs grade clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+lab: venv
+	$(VENV)/bin/jupyter lab --ServerApp.root_dir=labs $(LAB_ARGS)
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: venv
+	$(PY) -m engine_core.demo
+
+bench: venv
+	$(PY) -m engine_core.bench --model small-llama --num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0
+
+bench-kernels: venv
+	$(PY) -m kernels.bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

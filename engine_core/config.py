@@ -1,0 +1,108 @@
+"""Engine configuration: vLLM's parameter names, validated before anything is built."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+_PREEMPTION_MODES = ("auto", "recompute", "swap")
+_KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+_ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _need(ok: bool, name: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLM(...)` / `LLMEngine(...)` accept besides the model.
+
+    `None` means "derive it": `max_model_len` from the checkpoint, `num_gpu_blocks`
+    from `gpu_memory_utilization` (CUDA) or `kv_cache_memory_bytes` (CPU).
+    """
+
+    model: str = "tiny-llama"
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # CPU budget for the KV cache; default 1 GiB
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: no per-request cap beyond the budget
+    enable_prefix_caching: bool = False
+    preemption_mode: str = "auto"
+    swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks
+    # Cost-model rates for choose_preemption_mode; None = documented default of the device.
+    prefill_flops_per_s: float | None = None
+    swap_bandwidth_bytes_per_s: float | None = None
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    tensor_parallel_size: int = 1
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False  # True: no CUDA graphs
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _need(isinstance(self.model, str) and bool(self.model), "model", "a preset name or a model folder", self.model)
+        _need(isinstance(self.block_size, int) and 1 <= self.block_size <= 256, "block_size", "an int in [1, 256]", self.block_size)
+        _need(self.num_gpu_blocks is None or (isinstance(self.num_gpu_blocks, int) and self.num_gpu_blocks >= 1),
+              "num_gpu_blocks", "None or an int >= 1", self.num_gpu_blocks)
+        _need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
+        _need(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+              "kv_cache_memory_bytes", "None or > 0", self.kv_cache_memory_bytes)
+        _need(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
+              "max_model_len", "None or an int >= 1", self.max_model_len)
+        _need(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs", "an int >= 1", self.max_num_seqs)
+        _need(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
+              "max_num_batched_tokens", "an int >= 1", self.max_num_batched_tokens)
+        _need(isinstance(self.long_prefill_token_threshold, int) and self.long_prefill_token_threshold >= 0,
+              "long_prefill_token_threshold", "an int >= 0 (0 = off)", self.long_prefill_token_threshold)
+        _need(self.preemption_mode in _PREEMPTION_MODES, "preemption_mode", f"one of {_PREEMPTION_MODES}", self.preemption_mode)
+        _need(self.swap_space >= 0, "swap_space", ">= 0 (GiB)", self.swap_space)
+        for name in ("prefill_flops_per_s", "swap_bandwidth_bytes_per_s"):
+            v = getattr(self, name)
+            _need(v is None or v > 0, name, "None or > 0", v)
+        _need(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype", f"one of {_KV_CACHE_DTYPES}", self.kv_cache_dtype)
+        _need(isinstance(self.max_loras, int) and self.max_loras >= 1, "max_loras", "an int >= 1", self.max_loras)
+        _need(isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1, "max_lora_rank", "an int >= 1", self.max_lora_rank)
+        _need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+              "tensor_parallel_size", "an int >= 1", self.tensor_parallel_size)
+        _need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+              "device", "'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
+        _need(self.dtype in _DTYPES, "dtype", f"one of {tuple(_DTYPES)}", self.dtype)
+        _need(self.attention_backend in _ATTENTION_BACKENDS, "attention_backend", f"one of {_ATTENTION_BACKENDS}",
+              self.attention_backend)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
+        """Build from `LLM(model, **kwargs)`; an unknown keyword is an error that lists the known ones."""
+        known = {f.name for f in fields(cls)} - {"model"}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {sorted(known)}")
+        return cls(model=model, **kwargs)
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, checkpoint_dtype: torch.dtype | None = None) -> torch.dtype:
+        """`auto`: float32 on CPU (exact comparisons with Hugging Face), the checkpoint's dtype on CUDA."""
+        explicit = _DTYPES[self.dtype]
+        if explicit is not None:
+            return explicit
+        if self.torch_device.type == "cpu":
+            return torch.float32
+        return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16

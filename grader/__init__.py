@@ -1,0 +1,1 @@
+"""Grades a learner's notebook code by plugging it into the reference engine."""
