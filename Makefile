@@ -23,6 +23,13 @@ $(STAMP): pyproject.toml
 lab: venv
 	$(VENV)/bin/jupyter lab --ServerApp.root_dir=labs $(LAB_ARGS)
 
+labs: venv
+	$(PY) -m grader labs
+
+grade: venv
+	@test -n "$(LAB)" || { echo "usage: make grade LAB=NN_name (one of: $$(ls solutions | grep -E '^[0-9]{2}_' | tr '\n' ' '))"; exit 2; }
+	$(PY) -m pytest -q labs/$(LAB)
+
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 

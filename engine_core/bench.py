@@ -1,0 +1,137 @@
+"""Offline throughput: the same random workload through the engine and through Hugging Face
+`generate`, in one process, same dtype, same threads.
+
+    python -m engine_core.bench --model small-llama --num-requests 64 --input-len 16:512 \
+        --output-len 16:256 --seed 0
+
+The baseline is what a user without an engine would write (DESIGN.md section 6): prompts in
+arrival order, static batches of up to B, left padding, max_new_tokens = the batch's longest
+output, each output cut to its own length; every B in --hf-batch-sizes is tried and the best
+reported. Both sides count output tokens/s the same way: the sum of requested output lengths
+over wall time. Greedy decoding with ignore_eos on both sides, so the token agreement printed
+at the end doubles as a correctness check (left padding can flip near-ties, so it may be < 100%).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine_core.engine import LLMEngine
+from engine_core.presets import resolve_model
+from engine_core.request import SamplingParams
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """'A:B' (or 'A') -> (A, B) with 1 <= A <= B."""
+    lo, _, hi = text.partition(":")
+    a, b = int(lo), int(hi or lo)
+    if not 1 <= a <= b:
+        raise ValueError(f"a length range must be A:B with 1 <= A <= B, got {text!r}")
+    return a, b
+
+
+def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
+                  seed: int) -> Workload:
+    """Uniform lengths in the ranges, uniform token ids (the 3 special ids excluded)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab_size) for _ in range(rng.randint(*input_len))] for _ in range(num_requests)]
+    return Workload(prompts, [rng.randint(*output_len) for _ in range(num_requests)])
+
+
+def run_engine(engine: LLMEngine, w: Workload) -> tuple[float, list[list[int]]]:
+    """Seconds to serve every request (all queued at t=0), and the outputs in request order."""
+    start = time.perf_counter()
+    for i, (p, n) in enumerate(zip(w.prompts, w.output_lens)):
+        engine.add_request(f"bench-{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    elapsed = time.perf_counter() - start
+    return elapsed, [outputs[f"bench-{i}"] for i in range(len(w.prompts))]
+
+
+@torch.inference_mode()
+def run_hf(model, w: Workload, batch_size: int, pad_id: int) -> tuple[float, list[list[int]]]:
+    """Static left-padded batches of `batch_size` in arrival order; each output cut to its length."""
+    start = time.perf_counter()
+    outputs: list[list[int]] = []
+    for b in range(0, len(w.prompts), batch_size):
+        prompts, lens = w.prompts[b:b + batch_size], w.output_lens[b:b + batch_size]
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        new = max(lens)
+        seqs = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              pad_token_id=pad_id)
+        outputs += [seqs[i, width:width + n].tolist() for i, n in enumerate(lens)]
+    return time.perf_counter() - start, outputs
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of output tokens equal up to each pair's first difference (greedy paths diverge after it)."""
+    same = 0
+    for x, y in zip(a, b):
+        k = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+        same += k
+    return same / max(1, sum(len(x) for x in a))
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="small-llama")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--input-len", default="16:512")
+    ap.add_argument("--output-len", default="16:256")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--hf-batch-sizes", default="8,16,32,64", help="comma-separated; empty: skip Hugging Face")
+    a = ap.parse_args(argv)
+    engine = LLMEngine.from_kwargs(a.model, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                                   dtype=a.dtype)
+    w = make_workload(a.num_requests, parse_range(a.input_len), parse_range(a.output_len), engine.vocab_size, a.seed)
+    print(f"model {a.model}, {a.num_requests} requests, input {a.input_len}, output {a.output_len} "
+          f"({w.num_output_tokens} output tokens), dtype {engine.dtype}, threads {torch.get_num_threads()}")
+    run_engine(engine, make_workload(4, (8, 32), (4, 8), engine.vocab_size, a.seed + 1))  # warm-up
+    engine_s, engine_out = run_engine(engine, w)
+    results = {"engine_tok_s": w.num_output_tokens / engine_s, "engine_s": engine_s}
+    print(f"engine                 {engine_s:8.2f} s  {results['engine_tok_s']:9.1f} output tok/s")
+    sizes = [int(s) for s in a.hf_batch_sizes.split(",") if s.strip()]
+    if sizes:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(resolve_model(a.model), dtype=engine.dtype).eval()
+        pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+        run_hf(hf, make_workload(4, (8, 32), (4, 8), engine.vocab_size, a.seed + 1), 4, pad)  # warm-up
+        best = None
+        for bs in sizes:
+            hf_s, hf_out = run_hf(hf, w, bs, pad)
+            tok_s = w.num_output_tokens / hf_s
+            print(f"HF generate, batch {bs:3d} {hf_s:8.2f} s  {tok_s:9.1f} output tok/s  "
+                  f"(token agreement with the engine {agreement(engine_out, hf_out):.1%})")
+            if best is None or tok_s > best[1]:
+                best = (bs, tok_s)
+        results.update(hf_best_batch_size=best[0], hf_tok_s=best[1], ratio=results["engine_tok_s"] / best[1])
+        print(f"engine / HF best (batch {best[0]}): {results['ratio']:.2f}x")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Batch metadata for attention, passed explicitly through the forward (no module-global context).
+
+The model runner builds one `AttentionMetadata` per step from the SchedulerOutput; every
+attention layer reads the same one, together with its own layer of the KV cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels
+
+
+@dataclass
+class AttentionMetadata:
+    """One flat varlen batch: sequence i owns token rows query_start_loc[i]:query_start_loc[i+1]."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    decode_only: bool  # every sequence has exactly one query row
+    kv_cache_dtype: str = "auto"
+    backend: str = "auto"
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write this step's K/V into the paged cache, then attend over each sequence's whole context."""
+    backend = {} if meta.backend == "auto" else {"backend": meta.backend}  # "auto" is the dispatch's default
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, kv_cache_dtype=meta.kv_cache_dtype,
+                              k_scale=k_scale, v_scale=v_scale, **backend)
+    if meta.decode_only:
+        return kernels.paged_attention_decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
+                                              k_scale=k_scale, v_scale=v_scale, **backend)
+    return kernels.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                                   meta.query_start_loc, scale, k_scale=k_scale, v_scale=v_scale, **backend)

@@ -1,0 +1,253 @@
+"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2 and Qwen3, loaded from a local folder.
+
+The members differ in a few switches, all read from config.json:
+- qkv bias (Qwen2 always; Llama/Qwen3 when `attention_bias`), o_proj bias (Llama/Qwen3 `attention_bias`);
+- per-head RMSNorm of q and k before RoPE (Qwen3), `head_dim` that is not hidden/heads;
+- tied embeddings (the LM head is the embedding matrix);
+- RoPE: default, linear or llama3 scaling, from `rope_parameters` (transformers >= 5) or
+  `rope_theta` + `rope_scaling` (older checkpoints).
+
+Weights are fused at load time (q|k|v into one matmul, gate|up into another): fewer, larger
+GEMMs. The forward takes the batch metadata explicitly: `forward(input_ids, positions, kv_cache,
+attn_metadata)` over one flat varlen batch of tokens.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_core.kv_cache import KVCache
+from engine_core.models.attention import AttentionMetadata, paged_attention
+from engine_core.models.loader import CheckpointReader
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """The switches and shapes of one checkpoint, normalised across the family."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    sliding_window: int | None
+    rope: dict[str, Any] = field(default_factory=dict)  # rope_type, rope_theta, and the type's own keys
+
+    @classmethod
+    def from_config(cls, c: dict[str, Any], source: str = "config.json") -> "LlamaArgs":
+        archs = c.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"{source}: architectures {archs} not supported; supported: {list(SUPPORTED_ARCHITECTURES)}")
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{source}: hidden_act {c['hidden_act']!r} not supported (only 'silu')")
+        heads = c["num_attention_heads"]
+        qwen2, qwen3 = arch.startswith("Qwen2"), arch.startswith("Qwen3")
+        bias = bool(c.get("attention_bias", False)) and arch != "MistralForCausalLM"
+        return cls(
+            architecture=arch,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            qkv_bias=qwen2 or bias,
+            o_bias=bias and not qwen2,
+            mlp_bias=bool(c.get("mlp_bias", False)),
+            qk_norm=qwen3,
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            sliding_window=_sliding_window(c, arch),
+            rope=_rope_params(c, source),
+        )
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """Sliding-window attention is not implemented: refuse a window that would matter."""
+        if self.sliding_window is not None and self.sliding_window < max_model_len:
+            raise ValueError(f"sliding_window={self.sliding_window} < max_model_len={max_model_len} is not supported "
+                             f"(full attention only); set max_model_len <= {self.sliding_window}")
+
+
+def _sliding_window(c: dict[str, Any], arch: str) -> int | None:
+    """Mistral applies `sliding_window` when set; Qwen2/3 only with `use_sliding_window`."""
+    window = c.get("sliding_window")
+    if arch.startswith("Qwen") and not c.get("use_sliding_window", False):
+        return None
+    return int(window) if window else None
+
+
+def _rope_params(c: dict[str, Any], source: str) -> dict[str, Any]:
+    """Accept transformers 5's `rope_parameters` and the older `rope_theta` + `rope_scaling`."""
+    params = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.setdefault("rope_theta", c.get("rope_theta", 10000.0))
+    if params["rope_type"] not in _ROPE_TYPES:
+        raise ValueError(f"{source}: rope_type {params['rope_type']!r} not supported; supported: {list(_ROPE_TYPES)}")
+    if params["rope_type"] == "llama3":
+        params.setdefault("original_max_position_embeddings", c.get("max_position_embeddings", 2048))
+    return params
+
+
+def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
+    """Inverse frequencies, computed exactly as Hugging Face does (bit-identical cos/sin tables)."""
+    p, dim = args.rope, args.head_dim
+    inv_freq = 1.0 / (p["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if p["rope_type"] == "linear":
+        return inv_freq / p["factor"]
+    if p["rope_type"] == "llama3":
+        factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+        old_len = p["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 (Hugging Face's order of operations)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _param(t: torch.Tensor | None) -> nn.Parameter | None:
+    return None if t is None else nn.Parameter(t, requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, prefix: str, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.scale = args.head_dim ** -0.5
+        names = [f"{prefix}.{p}_proj" for p in "qkv"]
+        self.qkv_weight = _param(torch.cat([ckpt.get(f"{n}.weight") for n in names]))
+        self.qkv_bias = _param(torch.cat([ckpt.get(f"{n}.bias") for n in names])) if args.qkv_bias else None
+        self.o_weight = _param(ckpt.get(f"{prefix}.o_proj.weight"))
+        self.o_bias = _param(ckpt.get(f"{prefix}.o_proj.bias")) if args.o_bias else None
+        self.q_norm = RMSNorm(ckpt.get(f"{prefix}.q_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(ckpt.get(f"{prefix}.k_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(-1, h + 2 * kvh, d)
+        q, k, v = qkv.split([h, kvh, kvh], dim=1)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        i = self.layer_idx
+        if kv_cache.needs_scales:
+            kv_cache.calibrate_scales(i, k, v)
+        out = paged_attention(q, k, v, kv_cache.key[i], kv_cache.value[i], kv_cache.k_scale[i],
+                              kv_cache.v_scale[i], meta, self.scale)
+        return F.linear(out.reshape(-1, h * d), self.o_weight, self.o_bias)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on `[tokens, heads, head_dim]`; cos/sin are `[tokens, head_dim/2]`."""
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, prefix: str) -> None:
+        super().__init__()
+        self.gate_up_weight = _param(torch.cat([ckpt.get(f"{prefix}.gate_proj.weight"), ckpt.get(f"{prefix}.up_proj.weight")]))
+        self.gate_up_bias = (_param(torch.cat([ckpt.get(f"{prefix}.gate_proj.bias"), ckpt.get(f"{prefix}.up_proj.bias")]))
+                             if args.mlp_bias else None)
+        self.down_weight = _param(ckpt.get(f"{prefix}.down_proj.weight"))
+        self.down_bias = _param(ckpt.get(f"{prefix}.down_proj.bias")) if args.mlp_bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, i: int) -> None:
+        super().__init__()
+        p = f"model.layers.{i}"
+        self.input_norm = RMSNorm(ckpt.get(f"{p}.input_layernorm.weight"), args.rms_norm_eps)
+        self.attn = Attention(args, ckpt, f"{p}.self_attn", i)
+        self.post_attn_norm = RMSNorm(ckpt.get(f"{p}.post_attention_layernorm.weight"), args.rms_norm_eps)
+        self.mlp = MLP(args, ckpt, f"{p}.mlp")
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder. `forward` returns final hidden states; `compute_logits` runs the LM head
+    only on the rows the runner asks for (the ones that emit a token)."""
+
+    def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, max_positions: int) -> None:
+        super().__init__()
+        self.args = args
+        self.embed = _param(ckpt.get("model.embed_tokens.weight"))
+        self.layers = nn.ModuleList(DecoderLayer(args, ckpt, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(ckpt.get("model.norm.weight"), args.rms_norm_eps)
+        if args.tie_word_embeddings and not ckpt.has("lm_head.weight"):
+            self.lm_head = self.embed
+        else:
+            self.lm_head = _param(ckpt.get("lm_head.weight"))
+        # cos/sin for every position once, as Hugging Face computes them: (pos * inv_freq).cos()
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(args)[None, :]
+        self.register_buffer("cos", freqs.cos().to(device=self.embed.device, dtype=self.embed.dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(device=self.embed.device, dtype=self.embed.dtype), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.cos[positions], self.sin[positions]
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv_cache, attn_metadata)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+
+def load_model(folder: str | Path, config: dict[str, Any], dtype: torch.dtype, device: torch.device,
+               max_positions: int) -> LlamaForCausalLM:
+    """Build the model from `folder`'s safetensors; `config` is its parsed config.json."""
+    args = LlamaArgs.from_config(config, source=str(Path(folder) / "config.json"))
+    ckpt = CheckpointReader(folder, dtype, device)
+    return LlamaForCausalLM(args, ckpt, max_positions).eval()

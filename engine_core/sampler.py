@@ -1,0 +1,60 @@
+"""Token selection for the rows that emit: greedy, temperature, top-k, top-p, per-request seeds.
+
+Vectorised over the batch with the exponential race: with q_i ~ Exp(1) independent,
+argmax_i p_i / q_i is a sample from p (the Gumbel-max trick in another form). The noise of a
+seeded request comes from its own generator, one draw of `vocab_size` values per token, so its
+tokens do not depend on what else shares the batch. Unseeded rows share one engine generator.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine_core.request import Request
+
+
+class Sampler:
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """logits `[len(requests), vocab]` (fp32) -> one token id per request."""
+        params = [r.sampling_params for r in requests]
+        greedy = logits.argmax(dim=-1)
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not sampled_rows:
+            return greedy.tolist()
+        rows = torch.tensor(sampled_rows, device=logits.device)
+        temps = torch.tensor([params[i].temperature for i in sampled_rows], device=logits.device)
+        x = logits[rows] / temps[:, None]
+        x = _apply_top_k_top_p(x, [params[i].top_k for i in sampled_rows], [params[i].top_p for i in sampled_rows])
+        probs = x.softmax(dim=-1)
+        noise = self._exponential_noise([requests[i] for i in sampled_rows], x.shape[1]).to(logits.device)
+        greedy[rows] = (probs / noise).argmax(dim=-1)
+        return greedy.tolist()
+
+    def _exponential_noise(self, requests: list[Request], vocab_size: int) -> torch.Tensor:
+        """Exp(1) noise `[len(requests), vocab]`: seeded rows from their own generator, the rest in one draw."""
+        noise = torch.empty(len(requests), vocab_size)
+        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab_size).exponential_(generator=self.generator)
+        for i, r in enumerate(requests):  # one draw per seeded row: its generator is its own
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        return noise
+
+
+def _apply_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask to -inf the logits outside each row's top-k and top-p nucleus (one sort for all rows)."""
+    vocab = x.shape[1]
+    ks = [k if k > 0 else vocab for k in top_k]
+    if all(k >= vocab for k in ks) and all(p >= 1.0 for p in top_p):
+        return x
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=x.device)[None, :]
+    sorted_x = sorted_x.masked_fill(rank >= torch.tensor(ks, device=x.device)[:, None], float("-inf"))
+    probs = sorted_x.softmax(dim=-1)  # top-p applies to the top-k renormalised distribution (as vLLM)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above this one
+    drop = mass_before >= torch.tensor(top_p, device=x.device)[:, None]
+    drop[:, 0] = False  # the top token always stays
+    return torch.full_like(x, float("-inf")).scatter(1, order, sorted_x.masked_fill(drop, float("-inf")))

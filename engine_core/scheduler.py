@@ -1,0 +1,313 @@
+"""The continuous-batching scheduler (vLLM v1 style): one token budget per step.
+
+Each step, `schedule()` hands out `max_num_batched_tokens` tokens: first to running
+requests in order (decodes and unfinished prefill chunks), preempting the lowest-priority
+running requests when blocks run out; then swapped requests are brought back; then
+waiting requests are admitted in FCFS order after a prefix-cache lookup. A request only
+has `num_computed_tokens` that must catch up with `num_tokens`: no prefill/decode phases.
+
+With `enable_chunked_prefill=False` a request's remaining tokens are scheduled whole or
+not at all, and the budget is raised to at least `max_model_len`, so any prompt that
+fits the model can be scheduled (vLLM requires the same of its engine arguments).
+`long_prefill_token_threshold` caps a request's tokens per step only with chunked prefill.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Iterable
+
+import torch
+
+from engine_core import memory
+from engine_core.config import EngineConfig
+from engine_core.kv_cache_manager import KVCacheManager, cdiv
+from engine_core.metrics import SchedulerCounters
+from engine_core.request import Request, RequestStatus
+from engine_core.scheduler_output import ScheduledChunk, SchedulerOutput
+
+
+class Scheduler:
+    """Decides, each step, which tokens of which requests run, and which KV blocks move."""
+
+    def __init__(self, config: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int,
+                 model_spec: memory.ModelSpec, kv_cache_dtype: torch.dtype | str) -> None:
+        if not isinstance(config.max_model_len, int):
+            raise ValueError(f"max_model_len must be resolved to an int before the Scheduler is built, "
+                             f"got {config.max_model_len!r}")
+        if not isinstance(num_gpu_blocks, int) or num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be an int >= 1, got {num_gpu_blocks!r}")
+        if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
+        self.config = config
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.chunked_prefill = config.enable_chunked_prefill
+        self.max_num_batched_tokens = (config.max_num_batched_tokens if self.chunked_prefill
+                                       else max(config.max_num_batched_tokens, config.max_model_len))
+        self.model_spec = model_spec
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, config.block_size,
+                                               enable_caching=config.enable_prefix_caching,
+                                               num_cpu_blocks=num_cpu_blocks)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()  # recompute-preempted requests at the front
+        self.running: list[Request] = []  # in admission order
+        self.swapped: list[Request] = []  # sorted by (priority, arrival): swapped back in FCFS
+        self.counters = SchedulerCounters()
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request; reject (ValueError, nothing queued) one that could never run."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in the scheduler")
+        n = request.num_prompt_tokens
+        if n < 1 or n > self.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt length must be in [1, max_model_len={self.max_model_len}], "
+                             f"got {n}")
+        max_len = min(n + request.sampling_params.max_tokens, self.max_model_len)
+        need = cdiv(max_len, self.block_size)
+        if need > self.kv_cache_manager.num_gpu_blocks:
+            raise ValueError(
+                f"request {rid!r} can never fit: prompt {n} + max_tokens {request.sampling_params.max_tokens} "
+                f"(capped at max_model_len {self.max_model_len}) = {max_len} tokens need {need} blocks of "
+                f"{self.block_size}, but the KV cache has only num_gpu_blocks={self.kv_cache_manager.num_gpu_blocks}")
+        request.status = RequestStatus.WAITING
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish (abort) requests wherever they are: blocks freed on GPU and CPU, removed from
+        every queue. Unknown or already finished ids are ignored."""
+        if not status.is_finished:
+            raise ValueError(f"status must be a FINISHED_* status, got {status.name}")
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            request = self.requests.get(rid)
+            if request is not None:
+                self._remove_from_queues(request)
+                self._finish(request, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step under the token budget (see the module docstring for the order).
+        Does not advance num_computed_tokens: `update_from_output` does, after the forward."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        chunks: dict[str, ScheduledChunk] = {}
+
+        # 1. running requests, in order; preempt when blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+                victim = self._preempt(out)
+                dropped = chunks.pop(victim.request_id, None)
+                if dropped is not None:
+                    out.scheduled.remove(dropped)
+                    budget += dropped.num_tokens
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break  # it preempted itself: nothing after it fits either
+            chunks[request.request_id] = self._schedule_chunk(request, num_new, out)
+            budget -= num_new
+            i = self.running.index(request) + 1
+
+        # 2. swapped requests back in (FCFS), then 3. waiting requests, only if nobody was preempted
+        if not out.preempted_request_ids:
+            budget = self._swap_in(out, budget)
+            if not self.swapped:
+                self._admit_waiting(out, budget)
+        return out
+
+    def _num_new_tokens(self, request: Request, budget: int, num_computed: int | None = None) -> int:
+        """Tokens to compute for `request` this step: all remaining ones (after `num_computed`,
+        default its num_computed_tokens), capped by the budget and (chunked prefill only)
+        long_prefill_token_threshold; 0 when unchunked and they do not fit."""
+        done = request.num_computed_tokens if num_computed is None else num_computed
+        remaining = request.num_tokens - done
+        if not self.chunked_prefill:
+            return remaining if remaining <= budget else 0
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0:
+            remaining = min(remaining, threshold)
+        return min(remaining, budget)
+
+    def _schedule_chunk(self, request: Request, num_new: int, out: SchedulerOutput) -> ScheduledChunk:
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = time.monotonic()
+        chunk = ScheduledChunk(request, request.num_computed_tokens, num_new,
+                               self.kv_cache_manager.get_block_ids(request.request_id))
+        out.scheduled.append(chunk)
+        return chunk
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        """Bring swapped requests back, oldest first, while the budget, max_num_seqs and free
+        GPU blocks (their KV plus this step's tokens) allow; stop at the first that does not fit."""
+        kvm = self.kv_cache_manager
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.swapped[0]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0 or not kvm.can_swap_in(request, num_new):
+                break
+            self.swapped.pop(0)
+            mapping = kvm.swap_in(request)
+            out.swap_in.extend(mapping)
+            self.counters.num_blocks_swapped_in += len(mapping)
+            if kvm.allocate_slots(request, num_new) is None:  # can_swap_in checked the room
+                raise RuntimeError(f"swap-in of {request.request_id!r}: allocate_slots failed after can_swap_in")
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._schedule_chunk(request, num_new, out)
+            budget -= num_new
+        return budget
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in FCFS order (a prefix-cache lookup first) while budget,
+        max_num_seqs and blocks allow; the first that does not fit stops admission."""
+        kvm = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_cached = kvm.get_computed_blocks(request)
+            num_new = self._num_new_tokens(request, budget, num_cached)
+            if num_new == 0 or kvm.allocate_slots(request, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if kvm.enable_caching:
+                self.counters.prefix_cache_queries += request.num_tokens
+                self.counters.prefix_cache_hits += num_cached
+            request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._schedule_chunk(request, num_new, out)
+            budget -= num_new
+
+    # ---- preemption (lab 03 seams) -------------------------------------------------------
+    def _preempt(self, out: SchedulerOutput) -> Request:
+        """Preempt one running request and return it. Victim: the lowest priority (largest
+        `priority` value), latest arrival among ties. Mode from `choose_preemption_mode`:
+        recompute frees its blocks, resets num_computed_tokens to 0 and puts it at the front
+        of the waiting queue; swap plans its KV copy to CPU (out.swap_out) and queues it swapped."""
+        victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        self.running.remove(victim)
+        victim.num_preemptions += 1
+        out.preempted_request_ids.append(victim.request_id)
+        if self.choose_preemption_mode(victim) == "swap":
+            mapping = self.kv_cache_manager.swap_out(victim)
+            out.swap_out.extend(mapping)
+            self.counters.num_preemptions_swap += 1
+            self.counters.num_blocks_swapped_out += len(mapping)
+            victim.status = RequestStatus.SWAPPED
+            keys = [(r.priority, r.arrival_time) for r in self.swapped]
+            pos = next((k for k, key in enumerate(keys) if key > (victim.priority, victim.arrival_time)), len(keys))
+            self.swapped.insert(pos, victim)
+        else:
+            self.kv_cache_manager.free(victim)
+            victim.num_computed_tokens = 0
+            self.counters.num_preemptions_recompute += 1
+            victim.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(victim)
+        return victim
+
+    def choose_preemption_mode(self, request: Request) -> str:
+        """"recompute" or "swap" for preempting `request`.
+
+        Swap needs room in the CPU pool for the request's written KV, and something to copy;
+        otherwise recompute. `config.preemption_mode` "recompute"/"swap" forces the mode
+        (swap still falls back when impossible). "auto" compares the cost model:
+        memory.recompute_seconds (prefill FLOPs again) vs memory.swap_seconds (KV out and back
+        over the host link), with config rates or memory.DEFAULT_RATES of the device type.
+        """
+        mode = self.config.preemption_mode
+        num_tokens = request.num_computed_tokens
+        if mode == "recompute" or num_tokens == 0 or not self.kv_cache_manager.can_swap_out(request):
+            return "recompute"
+        if mode == "swap":
+            return "swap"
+        default_flops, default_bw = memory.DEFAULT_RATES[self.config.torch_device.type]
+        flops = self.config.prefill_flops_per_s or default_flops
+        bandwidth = self.config.swap_bandwidth_bytes_per_s or default_bw
+        recompute = memory.recompute_seconds(self.model_spec, num_tokens, flops)
+        swap = memory.swap_seconds(self.model_spec, num_tokens, self.kv_cache_dtype, bandwidth)
+        return "swap" if swap < recompute else "recompute"
+
+    # ---- after the forward pass ----------------------------------------------------------
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Advance num_computed_tokens for every executed chunk, cache newly full blocks (their KV
+        is written now), append the sampled token of chunks that reached the last token, finish
+        requests that stop. Returns every request that got a token, finished ones included."""
+        now = time.monotonic()
+        got_token: list[Request] = []
+        finished: list[Request] = []
+        for chunk in output.scheduled:
+            request = chunk.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted between schedule() and now
+            emits = chunk.emits
+            request.num_computed_tokens = chunk.start + chunk.num_tokens
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            decode = 1 if emits and request.num_output_tokens > 0 else 0
+            self.counters.num_decode_tokens += decode
+            self.counters.num_prefill_tokens += chunk.num_tokens - decode
+            if not emits:
+                continue
+            request.append_token(sampled_token_ids[request.request_id], now)
+            got_token.append(request)
+            status = request.check_stop(self.max_model_len)
+            if status is not None:
+                finished.append(request)
+                self._finish(request, status, now)
+        if finished:
+            done = {r.request_id for r in finished}
+            self.running = [r for r in self.running if r.request_id not in done]
+        return got_token
+
+    def _remove_from_queues(self, request: Request) -> None:
+        for queue in (self.running, self.waiting, self.swapped):
+            if request in queue:
+                queue.remove(request)
+
+    def _finish(self, request: Request, status: RequestStatus, now: float | None = None) -> None:
+        """Mark finished, free its GPU and CPU blocks, forget it (queues are the caller's job)."""
+        request.status = status
+        request.metrics.finished_time = time.monotonic() if now is None else now
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.counters.observe_finished(request)
+
+    # ---- metrics -------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Current gauges and counters; keys and meanings in engine_core.metrics.STAT_DOCS."""
+        c = self.counters
+        return {
+            "num_requests_running": len(self.running),
+            "num_requests_waiting": len(self.waiting),
+            "num_requests_swapped": len(self.swapped),
+            "kv_cache_usage": self.kv_cache_manager.usage,
+            "cpu_kv_cache_usage": self.kv_cache_manager.cpu_usage,
+            "num_preemptions": c.num_preemptions_recompute + c.num_preemptions_swap,
+            "num_preemptions_recompute": c.num_preemptions_recompute,
+            "num_preemptions_swap": c.num_preemptions_swap,
+            "num_blocks_swapped_out": c.num_blocks_swapped_out,
+            "num_blocks_swapped_in": c.num_blocks_swapped_in,
+            "prefix_cache_queries": c.prefix_cache_queries,
+            "prefix_cache_hits": c.prefix_cache_hits,
+            "prefix_cache_hit_rate": c.prefix_cache_hits / c.prefix_cache_queries if c.prefix_cache_queries else 0.0,
+            "num_prefill_tokens": c.num_prefill_tokens,
+            "num_decode_tokens": c.num_decode_tokens,
+            "num_finished_requests": c.num_finished_requests,
+        }

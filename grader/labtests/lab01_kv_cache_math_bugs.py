@@ -1,0 +1,32 @@
+"""Planted bugs for lab 01_kv_cache_math: slips a learner plausibly makes; each must fail a test."""
+from grader.bugs import PlantedBug
+
+BUGS = [
+    # the interview article's slip: one factor of 2 too many
+    PlantedBug("kv_counted_twice", "return 2 * spec.num_layers", "return 2 * 2 * spec.num_layers"),
+    PlantedBug("kv_query_heads", "2 * spec.num_layers * spec.num_kv_heads * spec.head_dim",
+               "2 * spec.num_layers * spec.num_attention_heads * spec.head_dim"),
+    PlantedBug("kv_head_dim_from_hidden", "spec.head_dim * dtype_bytes(dtype)",
+               "(spec.hidden_size // spec.num_attention_heads) * dtype_bytes(dtype)"),
+    PlantedBug("embeddings_never_tied", "(1 if s.tie_word_embeddings else 2)", "2"),
+    PlantedBug("moe_active_experts_only", "mlp = s.num_experts * mlp", "mlp = s.num_experts_per_tok * mlp"),
+    PlantedBug("moe_no_router", "mlp = s.num_experts * mlp + s.hidden_size * s.num_experts",
+               "mlp = s.num_experts * mlp"),
+    PlantedBug("qkv_bias_forgotten", "attention += q + 2 * kv", "attention += 0"),
+    PlantedBug("utilization_ignored", "free = gpu_bytes * utilization -", "free = gpu_bytes -"),
+    PlantedBug("no_block_rounding", "tokens = math.ceil(context_len / block_size) * block_size", "tokens = context_len"),
+    PlantedBug("decode_ignores_kv_reads", "bytes_read = weight_bytes(config, dtype) / tp + batch_size * context_len * kv_per_gpu",
+               "bytes_read = weight_bytes(config, dtype) / tp"),
+    PlantedBug("roofline_sum_not_max",
+               "roofline = max(bytes_read / gpu.hbm_bytes_per_s, flops / gpu.bf16_flops)",
+               "roofline = bytes_read / gpu.hbm_bytes_per_s + flops / gpu.bf16_flops"),
+    PlantedBug("tp_weights_not_split", "weight_bytes(config, dtype) / tp +", "weight_bytes(config, dtype) +"),
+    PlantedBug("kv_heads_split_below_one", "* kv_heads_per_gpu(config, tp) // spec.num_kv_heads", "// tp"),
+    PlantedBug("replicas_rounded_down", "replicas = math.ceil(requests_per_s / rate)",
+               "replicas = max(1, int(requests_per_s / rate))"),
+    PlantedBug("first_feasible_tp", "if best is None or tp * replicas < best.num_gpus:", "if best is None:"),
+    PlantedBug("prefills_do_not_slow_decode", "tpot = step + batch / output_len * prefill", "tpot = step"),
+    PlantedBug("smallest_batch", "for batch in range(min(fits, max_batch_size), 0, -1):",
+               "for batch in range(1, min(fits, max_batch_size) + 1):"),
+    PlantedBug("slip_blames_heads", 'slip_cause = "b"', 'slip_cause = "a"'),
+]

@@ -1,0 +1,157 @@
+"""The pytest plugin behind `pytest labs/NN_name`, `pytest solutions/NN_name` and `grader.check`.
+
+- A notebook `NN_name/NN_name.ipynb` collects as the lab's official tests
+  (`grader/labtests/labNN_name.py`, never a copy next to the notebook), with node ids
+  `labs/NN_name/NN_name.ipynb::test_x`.
+- The `student` fixture is the module built from that notebook's graded cells (or the
+  module a caller put in `config.stash[STUDENT_PROVIDER]`: check() and batch grading).
+- `points(n)` and `task(name)` markers; `gpu` / `perf` tests skip with a reason without CUDA.
+- Every run ends with points earned out of points possible per task.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+import pytest
+
+from grader.labs import import_tests, lab_of_notebook
+from grader.loader import StudentCodeError, load_notebook
+from grader.results import FAILED, PASSED, SKIPPED, TestResult, format_points_table
+
+__all__ = [
+    "pytest_configure",
+    "pytest_collect_file",
+    "pytest_runtest_setup",
+    "pytest_runtest_makereport",
+    "pytest_terminal_summary",
+    "student",
+]
+
+STUDENT_PROVIDER = pytest.StashKey[Callable[[], ModuleType]]()
+RESULTS = pytest.StashKey[dict]()
+MARKERS = [
+    "points(n): points the test is worth (0 for an ungraded sanity check)",
+    "task(name): the graded task the test belongs to (default: the test name without test_)",
+    "gpu: needs a CUDA device (skipped with a reason where there is none)",
+    "perf: a throughput target; runs only on a CUDA device, after correctness",
+]
+MAX_MESSAGE = 3000
+
+
+def _mark_labtests_for_rewrite() -> None:
+    """Rich assert messages ("assert 1 == 2 where 1 = f(17)") for the official tests."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "already imported": a second check() in one kernel
+        pytest.register_assert_rewrite("grader.labtests")
+
+
+_mark_labtests_for_rewrite()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+    config.stash.setdefault(RESULTS, {})
+    _mark_labtests_for_rewrite()  # pytest's import hook exists now, even if we were imported early
+
+
+class LabNotebook(pytest.Module):
+    """A lab notebook collected as its lab's official test module."""
+
+    def __init__(self, *, lab: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.lab = lab
+        self._student: ModuleType | None = None
+
+    def _getobj(self) -> ModuleType:
+        return import_tests(self.lab)
+
+    def student_module(self) -> ModuleType:
+        if self._student is None:
+            self._student = load_notebook(self.path)
+        return self._student
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    lab = lab_of_notebook(file_path)
+    if lab is None or "checkpoint" in file_path.parent.name:
+        return None
+    return LabNotebook.from_parent(parent, path=file_path, lab=lab)
+
+
+@pytest.fixture
+def student(request: pytest.FixtureRequest) -> ModuleType:
+    """The learner's code: a module of the notebook's solution and `setup` cells."""
+    provider = request.config.stash.get(STUDENT_PROVIDER, None)
+    if provider is not None:
+        return provider()
+    node = request.node.getparent(LabNotebook)
+    if node is None:
+        pytest.fail("the `student` fixture only exists in lab tests run through grader", pytrace=False)
+    return node.student_module()
+
+
+def _cuda_available() -> bool:
+    import torch  # only for gpu/perf tests: most labs' tests never need torch at all
+
+    return torch.cuda.is_available()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for name in ("gpu", "perf"):
+        if item.get_closest_marker(name) is not None and not _cuda_available():
+            pytest.skip(f"`{name}` test: needs a CUDA device (torch.cuda.is_available() is False here)")
+
+
+def points_of(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("points")
+    return float(marker.args[0]) if marker is not None else 0.0
+
+
+
+
+def task_of(item: pytest.Item) -> str:
+    marker = item.get_closest_marker("task")
+    if marker is not None:
+        return str(marker.args[0])
+    name = getattr(item, "originalname", item.name)
+    return name[len("test_"):] if name.startswith("test_") else name
+
+
+def describe_failure(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
+    """The error in one or two lines, plus where in the learner's notebook it was raised."""
+    if isinstance(excinfo.value, StudentCodeError):
+        return str(excinfo.value)
+    message = excinfo.exconly().strip()
+    learner_frames = [e for e in excinfo.traceback if str(e.path).startswith("cell ")]
+    if learner_frames:
+        entry = learner_frames[-1]
+        line = str(entry.statement).strip() if entry.statement is not None else ""
+        message += f"\n(raised in {entry.path}, line {entry.lineno + 1}: {line})"
+    return message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE] + " ..."
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    results = item.config.stash.setdefault(RESULTS, {})
+    result = results.setdefault(
+        item.nodeid, TestResult(name=item.name, task=task_of(item), max_points=points_of(item))
+    )
+    if report.skipped and result.status == PASSED:
+        result.status = SKIPPED
+        result.message = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else "skipped"
+    elif report.failed and result.status != FAILED:
+        result.status = FAILED
+        result.message = describe_failure(call.excinfo) if call.excinfo else str(report.longrepr)
+    return report
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    results = config.stash.get(RESULTS, {})
+    if results:
+        terminalreporter.section("points per task")
+        terminalreporter.write_line(format_points_table(results.values()))

@@ -1,0 +1,54 @@
+"""One graded test's outcome, and the points table built from many."""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Iterable
+
+PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+
+
+@dataclass
+class TestResult:
+    """What a test earned and, when it did not pass, a message a learner can act on."""
+
+    __test__ = False  # not a pytest test class
+
+    name: str  # the test function's name, e.g. "test_num_blocks_partial_block"
+    task: str
+    max_points: float
+    status: str = PASSED  # passed / failed / skipped, or a batch-level reason (timeout, crashed ...)
+    message: str = ""
+
+    @property
+    def points(self) -> float:
+        return self.max_points if self.status == PASSED else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "points": self.points}
+
+
+def points_table(results: Iterable[TestResult]) -> list[tuple[str, float, float, str]]:
+    """(task, earned, possible, note) per task in first-seen order, then a "total" row."""
+    earned: dict[str, float] = defaultdict(float)
+    possible: dict[str, float] = defaultdict(float)
+    notes: dict[str, list[str]] = defaultdict(list)
+    results = list(results)
+    for r in results:
+        earned[r.task] += r.points
+        possible[r.task] += r.max_points
+        if r.status != PASSED:
+            notes[r.task].append(f"{r.name} {r.status}")
+    rows = [(t, earned[t], possible[t], ", ".join(notes[t])) for t in possible]
+    rows.append(("total", sum(earned.values()), sum(possible.values()), ""))
+    return rows
+
+
+def format_points_table(results: Iterable[TestResult]) -> str:
+    rows = points_table(results)
+    width = max(len(task) for task, *_ in rows)
+    lines = []
+    for task, got, out_of, note in rows:
+        line = f"{task:<{width}}  {got:g} / {out_of:g}"
+        lines.append(f"{line}   ({note})" if note else line)
+    return "\n".join(lines)

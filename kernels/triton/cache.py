@@ -1,0 +1,85 @@
+"""Triton `reshape_and_cache`: write this step's K/V rows into the paged cache.
+
+One program per token: it reads the token's slot, and copies all its KV heads
+(`[num_kv_heads, head_dim]`, one contiguous row per head) into the cache row for that slot.
+Slot -1 (padding, or a token whose KV is already cached) is skipped. The op is pure copy, so
+its speed is the memory system's; the only arithmetic is the fp8 path (x / scale, saturated
+to e4m3's +-448, done in fp32).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton._common import check_device, load_scale, scale_arg
+
+FP8_MAX = tl.constexpr(448.0)  # e4m3 saturation bound
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr, k_scale, v_scale,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+    NUM_KV_HEADS, HEAD_DIM,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    QUANTIZE: tl.constexpr, K_SCALE_IS_PTR: tl.constexpr, V_SCALE_IS_PTR: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+
+    k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
+    if QUANTIZE:
+        ks = load_scale(k_scale, K_SCALE_IS_PTR)
+        vs = load_scale(v_scale, V_SCALE_IS_PTR)
+        k = tl.clamp(k.to(tl.float32) / ks, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+        v = tl.clamp(v.to(tl.float32) / vs, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+    kc = key_cache_ptr + block * stride_kcb + offset * stride_kct + h * stride_kch + d
+    vc = value_cache_ptr + block * stride_vcb + offset * stride_vct + h * stride_vch + d
+    tl.store(kc, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, kv_cache_dtype: str = "auto",
+                      k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> None:
+    """Same contract as `kernels.reference.reshape_and_cache`."""
+    check_device(key, value, key_cache, value_cache, slot_mapping)
+    if kv_cache_dtype not in ("auto", "fp8_e4m3"):
+        raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {kv_cache_dtype!r}")
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache shape {tuple(value_cache.shape)} != key_cache shape {tuple(key_cache.shape)}")
+    num_tokens = key.shape[0]
+    for name, x in (("key", key), ("value", value)):
+        if x.shape != (num_tokens, num_kv_heads, head_dim) or x.stride(-1) != 1:
+            raise ValueError(f"{name} must be [num_tokens, {num_kv_heads}, {head_dim}] with a contiguous last dim, "
+                             f"got shape {tuple(x.shape)} strides {x.stride()}")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("key_cache and value_cache need a contiguous last (head_dim) dim")
+    if num_tokens == 0:
+        return
+    quantize = kv_cache_dtype == "fp8_e4m3" or key_cache.dtype == torch.float8_e4m3fn
+    ks, ks_ptr = scale_arg(k_scale)
+    vs, vs_ptr = scale_arg(v_scale)
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping, ks, vs,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        num_kv_heads, head_dim,
+        BLOCK_SIZE=block_size, BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim), QUANTIZE=quantize, K_SCALE_IS_PTR=ks_ptr, V_SCALE_IS_PTR=vs_ptr,
+        num_warps=1 if num_kv_heads * head_dim <= 256 else 4,
+    )

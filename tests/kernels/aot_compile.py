@@ -1,0 +1,78 @@
+"""Compile every Triton kernel for an sm_90 GPU (H100/H200) without a GPU: Triton lowers to PTX
+and its bundled ptxas assembles it. The interpreter accepts code the compiler rejects (globals
+that are not constexpr, loop-carried values that change type, tl.dot shapes), so this catches
+what CPU tests cannot. Run as a script, without TRITON_INTERPRET (test_kernels_compile.py
+does so in a subprocess); prints one line per kernel variant with its shared memory."""
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels.triton import cache, decode_attention, prefill_attention
+
+TARGET = GPUTarget("cuda", 90, 32)
+H100_SMEM = 227 * 1024  # per-block shared memory limit on sm_90
+
+
+def _compile(fn: triton.JITFunction, types: dict[str, str], constexprs: dict[str, object], num_warps: int,
+             num_stages: int) -> int:
+    """Arguments not named in `types` are i32 (strides, sizes); returns the kernel's shared memory."""
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=TARGET,
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    return kernel.metadata.shared
+
+
+def _variants() -> list[tuple[str, triton.JITFunction, dict, dict, dict]]:
+    out = []
+    for dtype in ("bf16", "fp16", "fp32"):
+        for fp8 in (False, True):
+            kv = "fp8e4nv" if fp8 else dtype
+            common = dict(q_ptr=f"*{dtype}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", block_tables_ptr="*i32",
+                          seq_lens_ptr="*i32", query_start_loc_ptr="*i32", scale_log2="fp32", k_scale="fp32",
+                          v_scale="*fp32")
+            flags = dict(IS_FP8=fp8, K_SCALE_IS_PTR=False, V_SCALE_IS_PTR=True, UPCAST=dtype == "fp32",
+                         BLOCK_SIZE=16, BLOCK_D=128)
+            cfg = decode_attention._config(16) | {"INTERPRET": False}
+            for splits in (1, 8):
+                out.append((f"decode {dtype} fp8={fp8} splits={splits}", decode_attention._decode_kernel,
+                            dict(common, out_ptr="*fp32" if splits > 1 else f"*{dtype}", lse_ptr="*fp32"),
+                            dict(flags, GROUP=4, BLOCK_G=16, BLOCK_N=64, NUM_SPLITS=splits),
+                            dict(num_warps=4, num_stages=2)))
+            out.append((f"prefill {dtype} fp8={fp8}", prefill_attention._prefill_kernel,
+                        dict(common, out_ptr=f"*{dtype}", num_seqs="i32"),
+                        dict(flags, GROUP=4, BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64),
+                        dict(num_warps=4, num_stages=1 if dtype == "fp32" else 2)))
+            del cfg
+    out.append(("merge", decode_attention._merge_kernel, dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16"),
+                dict(NUM_SPLITS=8, BLOCK_S=8, BLOCK_D=128), dict(num_warps=4, num_stages=1)))
+    for fp8 in (False, True):
+        kv = "fp8e4nv" if fp8 else "bf16"
+        out.append((f"reshape_and_cache fp8={fp8}", cache._reshape_and_cache_kernel,
+                    dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr=f"*{kv}", value_cache_ptr=f"*{kv}",
+                         slot_mapping_ptr="*i64", k_scale="fp32", v_scale="*fp32"),
+                    dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, QUANTIZE=fp8, K_SCALE_IS_PTR=False,
+                         V_SCALE_IS_PTR=True), dict(num_warps=4, num_stages=1)))
+    return out
+
+
+def main() -> int:
+    failed = 0
+    for name, fn, types, constexprs, options in _variants():
+        try:
+            smem = _compile(fn, types, constexprs, **options)
+        except Exception as e:  # report every variant, then fail
+            print(f"FAIL {name}: {type(e).__name__}: {e}")
+            failed += 1
+            continue
+        status = "ok" if smem <= H100_SMEM else "FAIL (shared memory over the sm_90 limit)"
+        failed += smem > H100_SMEM
+        print(f"{status} {name}: {smem} B shared memory")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

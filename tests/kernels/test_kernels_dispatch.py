@@ -1,0 +1,73 @@
+"""kernels.* dispatch: which backend runs, how it is forced, and what happens when it cannot run."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels
+from kernels import reference
+
+
+def _decode_inputs() -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(4, 8, 2, 16, generator=gen)
+    return (torch.randn(2, 4, 16, generator=gen), cache, cache.flip(0).contiguous(),
+            torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([9, 16], dtype=torch.int32))
+
+
+def _spy_triton_decode(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    from kernels.triton import decode_attention
+    calls: list[int] = []
+    real = decode_attention.paged_attention_decode
+    monkeypatch.setattr(decode_attention, "paged_attention_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_cpu_tensors_default_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KERNELS_BACKEND", raising=False)
+    calls = _spy_triton_decode(monkeypatch)
+    q, kc, vc, bt, sl = _decode_inputs()
+    out = kernels.paged_attention_decode(q, kc, vc, bt, sl, 0.25)
+    assert calls == [] and torch.equal(out, reference.paged_attention_decode(q, kc, vc, bt, sl, 0.25))
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_triton_can_be_forced(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("on CUDA machines the kernel tests run compiled kernels on GPU tensors, not CPU ones")
+    calls = _spy_triton_decode(monkeypatch)
+    q, kc, vc, bt, sl = _decode_inputs()
+    if how == "environment":
+        monkeypatch.setenv("KERNELS_BACKEND", "triton")
+        out = kernels.paged_attention_decode(q, kc, vc, bt, sl, 0.25)
+    else:
+        monkeypatch.setenv("KERNELS_BACKEND", "torch")  # the argument wins over the environment
+        out = kernels.paged_attention_decode(q, kc, vc, bt, sl, 0.25, backend="triton")
+    assert calls == [1]
+    torch.testing.assert_close(out, reference.paged_attention_decode(q, kc, vc, bt, sl, 0.25))
+
+
+def test_bad_backend_names_are_value_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, kc, vc, bt, sl = _decode_inputs()
+    with pytest.raises(ValueError, match="backend must be one of"):
+        kernels.paged_attention_decode(q, kc, vc, bt, sl, 0.25, backend="cuda")
+    monkeypatch.setenv("KERNELS_BACKEND", "tritonn")
+    with pytest.raises(ValueError, match="KERNELS_BACKEND must be one of"):
+        kernels.paged_attention_decode(q, kc, vc, bt, sl, 0.25)
+
+
+def test_triton_on_cpu_without_the_interpreter_says_how_to_fix_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, kc, vc, bt, sl = _decode_inputs()
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        kernels.paged_attention_decode(q, kc, vc, bt, sl, 0.25, backend="triton")
+
+
+def test_import_kernels_does_not_import_triton() -> None:
+    code = "import sys, kernels; sys.exit('triton' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "KERNELS_BACKEND"}
+    assert subprocess.run([sys.executable, "-c", code], env=env).returncode == 0, "import kernels pulled in triton"
