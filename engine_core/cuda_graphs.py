@@ -69,7 +69,7 @@ class DecodeGraphs:
 
     def _capture(self, size: int, like: AttentionMetadata) -> bool:
         meta = AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size],
-                                 self.query_start_loc[:size + 1], True, like.kv_cache_dtype, self.backend)
+                                 self.query_start_loc[:size + 1], size, like.kv_cache_dtype, self.backend)
         args = (self.input_ids[:size], self.positions[:size], self.kv_cache, meta)
         try:
             stream = torch.cuda.Stream()

@@ -203,7 +203,7 @@ class LLMEngine:
             block_tables=torch.arange(cdiv(n, config.block_size), dtype=torch.int32, device=self.device)[None],
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            decode_only=n == 1, kv_cache_dtype=config.kv_cache_dtype, backend=config.attention_backend)
+            num_decode_seqs=int(n == 1), kv_cache_dtype=config.kv_cache_dtype, backend=config.attention_backend)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         hidden = self.model(torch.zeros(n, dtype=torch.int64, device=self.device),

@@ -154,6 +154,9 @@ class GPUSpec:
     pcie_bytes_per_s: float  # per direction (x16 link)
 
 
+# Sources: NVIDIA's A100, H100 and H200 datasheets, SXM boards, dense peaks (sparsity halved away).
+# memory_bytes is nvidia-smi's MiB total; NVLink's 600 / 900 GB/s are both directions together, so
+# half per direction; PCIe Gen4 / Gen5 x16 move about 32 / 64 GB/s per direction.
 GPUS: dict[str, GPUSpec] = {
     # A100 SXM4 80GB: HBM2e 2.039 TB/s, 312 TFLOP/s bf16, NVLink3 600 GB/s total, PCIe Gen4 x16.
     "A100-80GB": GPUSpec("A100-80GB", 81920 * 2**20, 2.039e12, 312e12, None, 300e9, 32e9),

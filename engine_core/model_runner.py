@@ -47,7 +47,9 @@ def chunk_token_ids(request: Request, start: int, num_tokens: int) -> list[int]:
 
 def build_model_input(chunks: list[ScheduledChunk], block_size: int, device: torch.device,
                       kv_cache_dtype: str = "auto", backend: str = "auto") -> ModelInput:
-    """The flat batch for `chunks`: sequence i owns rows query_start_loc[i]:query_start_loc[i+1]."""
+    """The flat batch for `chunks`: sequence i owns rows query_start_loc[i]:query_start_loc[i+1].
+    Single-token chunks go first, so attention can run all of them through the decode op at once."""
+    chunks = sorted(chunks, key=lambda c: c.num_tokens != 1)  # stable: keeps the scheduler's order otherwise
     starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
     nums = torch.tensor([c.num_tokens for c in chunks], dtype=torch.int64)
     token_ids: list[int] = []
@@ -67,7 +69,7 @@ def build_model_input(chunks: list[ScheduledChunk], block_size: int, device: tor
         slot_mapping=slot_mapping.to(device), block_tables=block_tables.to(device),
         seq_lens=(starts + nums).to(device=device, dtype=torch.int32),
         query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
-        decode_only=total == len(chunks), kv_cache_dtype=kv_cache_dtype, backend=backend)
+        num_decode_seqs=int((nums == 1).sum()), kv_cache_dtype=kv_cache_dtype, backend=backend)
     return ModelInput(torch.tensor(token_ids, dtype=torch.int64, device=device), positions.to(device), meta,
                       logits_indices.to(device), [c.request for c in chunks if c.emits])
 

@@ -48,9 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     from grader.runner import run_tests, stderr_to_stdout
 
     guard = Guard()
+    provider = functools.cache(lambda: load_notebook(args.notebook))
     with stderr_to_stdout():
-        results = run_tests(args.lab, functools.cache(lambda: load_notebook(args.notebook)), plugins=[guard])
-    payload = json.dumps({"results": [r.to_dict() for r in results], "tampered": guard.changed})
+        results = run_tests(args.lab, provider, plugins=[guard])
+    cell_errors = [str(e) for e in provider().__cell_errors__] if provider.cache_info().currsize else []
+    payload = json.dumps({"results": [r.to_dict() for r in results], "tampered": guard.changed,
+                          "cell_errors": cell_errors})
     with open(args.result, "w") as f:
         f.write(payload + "\n" + sign(key, payload) + "\n")
     return 0

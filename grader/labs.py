@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import importlib
 import re
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+
+from _pytest.mark.structures import get_unpacked_marks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LABTESTS_DIR = Path(__file__).resolve().parent / "labtests"
@@ -39,7 +43,33 @@ def available_labs() -> list[str]:
 
 
 def import_tests(lab: str) -> ModuleType:
-    return importlib.import_module(tests_module_name(check_lab_name(lab)))
+    with warnings.catch_warnings():  # points/task marks are registered by the plugin, maybe absent here
+        warnings.simplefilter("ignore")
+        return importlib.import_module(tests_module_name(check_lab_name(lab)))
+
+
+@dataclass(frozen=True)
+class OfficialTest:
+    name: str
+    task: str
+    points: float | None  # None: the test lacks its `points` mark
+
+
+def official_tests(lab: str) -> list[OfficialTest]:
+    """The lab's test functions with their task and points, read from their marks (file order)."""
+    module = import_tests(lab)
+    module_marks = get_unpacked_marks(module)
+    found = []
+    for name, fn in vars(module).items():
+        if not (name.startswith("test_") and callable(fn)):
+            continue
+        marks = {}
+        for mark in [*module_marks, *get_unpacked_marks(fn)]:  # the test's own marks win
+            marks[mark.name] = mark
+        task = str(marks["task"].args[0]) if "task" in marks else name[len("test_"):]
+        points = float(marks["points"].args[0]) if "points" in marks else None
+        found.append(OfficialTest(name, task, points))
+    return found
 
 
 def lab_of_notebook(path: Path) -> str | None:

@@ -22,6 +22,10 @@ from grader.labs import check_lab_name, tests_path
 from grader.results import TestResult
 
 
+# Plugins lab tests never need, skipped to start faster (hypothesis itself still works without its plugin).
+QUIET_PLUGINS = ("-p", "no:hypothesispytest", "-p", "no:anyio", "-p", "no:platformdirs")
+
+
 def test_names(lab: str) -> list[str]:
     """The official test functions of a lab, in file order.
 
@@ -95,7 +99,7 @@ def run_tests(
     selected = names if tests is None else list(dict.fromkeys(tests))
     path = str(tests_path(lab))
     args = [f"{path}::{name}" for name in selected]
-    args += ["-q", "-p", "no:cacheprovider", "--capture=sys", "-o", "addopts=", *pytest_args]
+    args += ["-q", "-p", "no:cacheprovider", "--capture=sys", "-o", "addopts=", *QUIET_PLUGINS, *pytest_args]
     provide = _Provide(provider)
     sink = io.StringIO()
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):

@@ -29,7 +29,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             raise ValueError(f"KERNELS_BACKEND must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    interpret = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+    if backend == "triton" and device.type != "cuda" and not interpret:
         raise RuntimeError(f"the Triton backend got {device.type} tensors: set TRITON_INTERPRET=1 in the environment "
                            "before triton is first imported to run it under the interpreter, or use backend='torch'")
     return backend

@@ -11,7 +11,6 @@ import functools
 import json
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import nbformat
@@ -84,13 +83,9 @@ def check_calls(source: str) -> list[ast.Call]:
 @pytest.mark.parametrize("lab", LABS)
 def test_test_cells_name_each_official_test_once(lab):
     """Test cells are `grader.check(lab, globals(), tests=[...])` lines whose points add up."""
-    with warnings.catch_warnings():  # points/task marks are registered by the grader plugin, not here
-        warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
-        module = lab_files.import_tests(lab)
-    tests = {name: fn for name, fn in vars(module).items() if name.startswith("test_") and callable(fn)}
-    marks = {name: [m for m in getattr(fn, "pytestmark", []) if m.name == "points"] for name, fn in tests.items()}
-    assert all(marks.values()), f"{lab}: tests without @pytest.mark.points: {[n for n, m in marks.items() if not m]}"
-    points = {name: float(m[0].args[0]) for name, m in marks.items()}
+    points = {t.name: t.points for t in lab_files.official_tests(lab)}
+    missing = [name for name, p in points.items() if p is None]
+    assert not missing, f"{lab}: tests without @pytest.mark.points: {missing}"
 
     nb = nbformat.read(REPO_ROOT / "solutions" / lab / f"{lab}.ipynb", as_version=4)
     seen: list[str] = []
@@ -106,14 +101,14 @@ def test_test_cells_name_each_official_test_once(lab):
             tests_kw = [k.value for k in call.keywords if k.arg == "tests"]
             assert tests_kw, f"{lab}: {ast.unparse(call)} must list its tests"
             names += ast.literal_eval(tests_kw[0])
-        unknown = set(names) - set(tests)
+        unknown = set(names) - set(points)
         assert not unknown, f"{lab}: cell {meta.get('grade_id')} names unknown tests {unknown}"
         want = sum(points[n] for n in names)
         assert float(meta.get("points", 0)) == want, (
             f"{lab}: cell {meta.get('grade_id')} is worth {meta.get('points')} points, its tests {want}")
         seen += names
-    assert sorted(seen) == sorted(tests), (
-        f"{lab}: each test must be named by exactly one test cell; named {sorted(seen)}, tests {sorted(tests)}")
+    assert sorted(seen) == sorted(points), (
+        f"{lab}: each test must be named by exactly one test cell; named {sorted(seen)}, tests {sorted(points)}")
 
 
 def test_labs_match_a_fresh_regeneration(tmp_path: Path):

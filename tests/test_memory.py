@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config
 
 from engine_core import memory
@@ -85,6 +87,28 @@ def _hf_count(config) -> int:
 ], ids=["llama2-70b", "mixtral-8x7b", "qwen3-0.6b", "qwen2-bias", "llama-bias-tied", "qwen3-bias"])
 def test_num_params_matches_transformers(config) -> None:
     """An independent reference: the parameters Hugging Face's own modules allocate (on meta)."""
+    assert memory.num_params(config) == _hf_count(config)
+
+
+_CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mixtral": MixtralConfig}
+
+
+@settings(max_examples=25, deadline=None)
+@given(kind=st.sampled_from(sorted(_CONFIG_CLASSES)), layers=st.integers(1, 3), kv_heads=st.sampled_from([1, 2, 4]),
+       group=st.integers(1, 3), head_dim=st.sampled_from([8, 16]), inter=st.integers(8, 64), vocab=st.integers(10, 90),
+       tied=st.booleans(), bias=st.booleans(), experts=st.integers(2, 4))
+def test_num_params_matches_transformers_on_random_shapes(kind, layers, kv_heads, group, head_dim, inter, vocab, tied,
+                                                          bias, experts) -> None:
+    """Any small shape of each family: the count equals what Hugging Face's modules allocate."""
+    heads = kv_heads * group
+    kwargs = dict(num_hidden_layers=layers, hidden_size=heads * head_dim + 8 * (kind == "qwen3"),
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied)
+    if kind in ("llama", "qwen3"):
+        kwargs["attention_bias"] = bias
+    if kind == "mixtral":
+        kwargs.update(num_local_experts=experts, num_experts_per_tok=2)
+    config = _CONFIG_CLASSES[kind](**kwargs)
     assert memory.num_params(config) == _hf_count(config)
 
 
@@ -228,3 +252,12 @@ def test_dtype_bytes_rejects_unknown_names() -> None:
     assert memory.dtype_bytes(torch.float8_e4m3fn) == 1
     with pytest.raises(ValueError, match="dtype"):
         memory.dtype_bytes("int4")
+
+
+def test_tp_degrees_shard_heads_like_vllm() -> None:
+    """Powers of two up to max_tp that split the query heads and split or replicate the KV heads."""
+    assert memory.tp_degrees(LLAMA2_70B, 64) == [1, 2, 4, 8, 16, 32, 64]
+    qwen2_7b_like = dict(LLAMA3_8B, num_attention_heads=28, num_key_value_heads=4)  # 28 = 4 x 7
+    assert memory.tp_degrees(qwen2_7b_like, 8) == [1, 2, 4]
+    with pytest.raises(ValueError, match="tp"):
+        memory.check_tp(qwen2_7b_like, 8)

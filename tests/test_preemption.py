@@ -5,7 +5,7 @@ import pytest
 from sched_helpers import EOS, TINY_SPEC, FakeRunner, make_request, make_scheduler, reference_output, run_to_completion
 
 from engine_core import memory
-from engine_core.request import RequestStatus
+from engine_core.request import RequestStatus, SamplingParams
 from engine_core.scheduler_output import SchedulerOutput
 
 
@@ -152,3 +152,53 @@ def test_outputs_under_memory_pressure_equal_those_with_plenty_of_blocks(mode, p
     assert stats[key] > 0, stats
     if mode == "swap":
         assert stats["num_blocks_swapped_in"] == stats["num_blocks_swapped_out"] > 0
+
+
+# ---- end to end: the real engine (tiny-llama preset, random weights) ---------------------------
+E2E_RNG = random.Random(1)
+E2E_PROMPTS = [[E2E_RNG.randrange(3, 512) for _ in range(E2E_RNG.randrange(4, 40))] for _ in range(10)]
+E2E_PARAMS = [SamplingParams(max_tokens=E2E_RNG.randrange(8, 24), temperature=0.0, ignore_eos=True)
+              for _ in E2E_PROMPTS]
+
+
+def generate(**engine_args):
+    from engine_core.llm import LLM
+
+    llm = LLM(model="tiny-llama", block_size=4, max_model_len=128, max_num_batched_tokens=32, **engine_args)
+    outs = llm.generate(E2E_PROMPTS, E2E_PARAMS, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm.engine.stats()
+
+
+@pytest.fixture(scope="module")
+def plenty_outputs():
+    outs, stats = generate(num_gpu_blocks=400)
+    assert stats["num_preemptions"] == 0
+    return outs
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("prefix", [True, False])
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
+def test_engine_greedy_outputs_survive_preemption(plenty_outputs, mode, prefix, chunked):
+    """Issue #4: 20 blocks of 4 tokens for 10 requests of up to 63 tokens: preemption happens often."""
+    outs, stats = generate(num_gpu_blocks=20, preemption_mode=mode, enable_prefix_caching=prefix,
+                           enable_chunked_prefill=chunked)
+    key = {"recompute": "num_preemptions_recompute", "swap": "num_preemptions_swap", "auto": "num_preemptions"}[mode]
+    assert stats[key] > 0, stats
+    assert outs == plenty_outputs
+    assert stats["kv_cache_usage"] == 0.0 and stats["cpu_kv_cache_usage"] == 0.0
+
+
+def test_engine_auto_mode_recomputes_when_there_is_no_swap_pool(plenty_outputs):
+    outs, stats = generate(num_gpu_blocks=20, preemption_mode="auto", swap_space=0)
+    assert stats["num_preemptions_recompute"] > 0 and stats["num_preemptions_swap"] == 0
+    assert outs == plenty_outputs
+
+
+def test_engine_rejects_a_request_that_can_never_fit():
+    from engine_core.llm import LLM
+
+    llm = LLM(model="tiny-llama", block_size=4, num_gpu_blocks=4, max_model_len=128)
+    with pytest.raises(ValueError, match="can never fit"):
+        llm.generate([list(range(3, 20))], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

@@ -149,3 +149,32 @@ def test_shared_system_prompt_saves_exactly_the_shared_prefill(chunked):
     own = (len(reqs["r0"]) - 1) // 4 * 4 - 64
     assert s_off["num_prefill_tokens"] - s_on["num_prefill_tokens"] == 32 * 64 + own
     assert s_on["prefix_cache_hits"] == 32 * 64 + own
+
+
+def test_engine_32_requests_sharing_a_system_prompt():
+    """Issue #4: identical outputs with caching on and off; the prefill tokens computed drop by the
+    shared part. One earlier request served the system prompt (as in a running server), so each
+    of the 32 finds its 96 tokens (6 blocks of 16) cached."""
+    from engine_core.llm import LLM
+    from engine_core.request import SamplingParams
+
+    rng = random.Random(3)
+    system = [rng.randrange(3, 512) for _ in range(96)]
+    # each suffix starts with its own token, so only the system prompt is shared
+    prompts = [system + [3 + i] + [rng.randrange(3, 512) for _ in range(rng.randrange(4, 24))] for i in range(32)]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(prefix):
+        llm = LLM(model="tiny-llama", enable_prefix_caching=prefix, num_gpu_blocks=512, max_model_len=256)
+        llm.generate([system + [511]], sp, use_tqdm=False)
+        before = llm.engine.stats()["num_prefill_tokens"]
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        stats = llm.engine.stats()
+        return [o.outputs[0].token_ids for o in outs], stats["num_prefill_tokens"] - before, stats, outs
+
+    on, prefill_on, stats_on, outs_on = run(True)
+    off, prefill_off, _, _ = run(False)
+    assert on == off
+    assert prefill_off - prefill_on == 32 * 96
+    assert stats_on["prefix_cache_hits"] == 32 * 96
+    assert [o.num_cached_tokens for o in outs_on] == [96] * 32

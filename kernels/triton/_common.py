@@ -13,7 +13,6 @@ from triton import knobs
 INTERPRET: bool = bool(knobs.runtime.interpret)
 
 
-
 def check_device(*tensors: torch.Tensor) -> None:
     """CPU tensors only work under the interpreter; everything must sit on one device."""
     devices = {t.device for t in tensors}
@@ -43,6 +42,7 @@ def upcast_dot(dtype: torch.dtype) -> bool:
 
 @triton.jit
 def load_scale(scale, IS_PTR: tl.constexpr):
+    """The scale's value, whether it came as a float or as a pointer to a device scalar."""
     if IS_PTR:
         return tl.load(scale).to(tl.float32)
     else:
@@ -68,5 +68,3 @@ def dot(a, b, UPCAST: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a, b, out_dtype=tl.float32)
-
-

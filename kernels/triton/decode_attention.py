@@ -123,32 +123,37 @@ def _merge_kernel(
     d = tl.arange(0, BLOCK_D)
     s_mask = s < NUM_SPLITS
     lse = tl.load(lse_ptr + seq * stride_ls + head * stride_lh + s, mask=s_mask, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
+    # Split 0 is empty only for a seq_len-0 row (CUDA-graph padding): all weights 0, output 0,
+    # as with num_splits=1.
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
     part = tl.load(part_ptr + seq * stride_ps + head * stride_ph + s[:, None] * stride_psplit + d[None, :],
                    mask=s_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-    out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+    w_sum = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * part, 0) / tl.where(w_sum == 0.0, 1.0, w_sum)
     tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def _config(block_size: int) -> dict:
+def _config(block_size: int, dtype: torch.dtype) -> dict:
     """Tile sizes. GPU: 64-token K/V tiles (16 KiB per tile at head_dim 128 in bf16), 4 warps,
     2 pipeline stages: a documented fixed choice rather than autotuning, so a first call inside
     CUDA-graph capture never benchmarks. Interpreter: 16-token tiles, which also makes tiles
     straddle cache blocks in the tests (block sizes 8 and 16)."""
     if INTERPRET:
         return dict(BLOCK_N=16, num_warps=1, num_stages=1)
-    return dict(BLOCK_N=max(64, block_size), num_warps=4, num_stages=2)
+    return dict(BLOCK_N=max(64, block_size), num_warps=4, num_stages=1 if dtype == torch.float32 else 2)
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
-                      block_n: int = 64) -> int:
-    """A split-K heuristic for callers that know the longest context: enough programs to fill
-    the GPU about twice (`2 * num_sms`), but never splits shorter than 4 tiles, whose fixed
-    cost (the q load, the partial write, the merge) would dominate."""
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int, block_n: int = 64) -> int:
+    """A split-K heuristic for callers that know the longest context (the bench prints its pick
+    next to the measured best): the smallest power of two that gives about two programs per
+    SM, but no split shorter than 4 tiles, whose fixed cost (the q load, the partial write, the
+    merge) would dominate."""
     programs = max(1, num_seqs * num_kv_heads)
-    by_occupancy = max(1, (2 * num_sms) // programs)
-    by_length = max(1, max_seq_len // (4 * block_n))
-    return int(min(by_occupancy, by_length, 64))
+    splits = 1
+    while programs * splits < 2 * num_sms and max_seq_len // (2 * splits) >= 4 * block_n and splits < 64:
+        splits *= 2
+    return splits
 
 
 def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -175,7 +180,7 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    cfg = _config(block_size)
+    cfg = _config(block_size, query.dtype)
     ks, ks_ptr = scale_arg(k_scale)
     vs, vs_ptr = scale_arg(v_scale)
     block_d = max(16, triton.next_power_of_2(head_dim))

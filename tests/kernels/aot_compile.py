@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -18,35 +19,41 @@ H100_SMEM = 227 * 1024  # per-block shared memory limit on sm_90
 
 
 def _compile(fn: triton.JITFunction, types: dict[str, str], constexprs: dict[str, object], num_warps: int,
-             num_stages: int) -> int:
-    """Arguments not named in `types` are i32 (strides, sizes); returns the kernel's shared memory."""
+             num_stages: int) -> triton.compiler.CompiledKernel:
+    """Arguments not named in `types` are i32 (strides, sizes). As the runtime JIT would for a
+    Llama-shaped batch, pointers and the cache/query strides are marked divisible by 16
+    (that is what lets K/V loads vectorise); a block table's row stride and counts are not."""
     signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=TARGET,
-                            options=dict(num_warps=num_warps, num_stages=num_stages))
-    return kernel.metadata.shared
+    unaligned = {"stride_bt", "num_seqs"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(signature.items())
+             if t.startswith("*") or (t == "i32" and n not in unaligned)}
+    return triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def _variants() -> list[tuple[str, triton.JITFunction, dict, dict, dict]]:
+    """(name, kernel, argument types, constexprs, launch options) as the launchers use them on a GPU,
+    for a Llama-style head_dim 128, GQA group 4, block size 16."""
     out = []
-    for dtype in ("bf16", "fp16", "fp32"):
+    for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):  # fp16 compiles as bf16 does
         for fp8 in (False, True):
             kv = "fp8e4nv" if fp8 else dtype
-            common = dict(q_ptr=f"*{dtype}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", block_tables_ptr="*i32",
-                          seq_lens_ptr="*i32", query_start_loc_ptr="*i32", scale_log2="fp32", k_scale="fp32",
-                          v_scale="*fp32")
+            types = dict(q_ptr=f"*{dtype}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", block_tables_ptr="*i32",
+                         seq_lens_ptr="*i32", query_start_loc_ptr="*i32", scale_log2="fp32", k_scale="fp32",
+                         v_scale="*fp32", lse_ptr="*fp32")
             flags = dict(IS_FP8=fp8, K_SCALE_IS_PTR=False, V_SCALE_IS_PTR=True, UPCAST=dtype == "fp32",
-                         BLOCK_SIZE=16, BLOCK_D=128)
-            cfg = decode_attention._config(16) | {"INTERPRET": False}
+                         BLOCK_SIZE=16, BLOCK_D=128, GROUP=4)
+            cfg = decode_attention._config(16, torch_dtype)
+            launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
             for splits in (1, 8):
                 out.append((f"decode {dtype} fp8={fp8} splits={splits}", decode_attention._decode_kernel,
-                            dict(common, out_ptr="*fp32" if splits > 1 else f"*{dtype}", lse_ptr="*fp32"),
-                            dict(flags, GROUP=4, BLOCK_G=16, BLOCK_N=64, NUM_SPLITS=splits),
-                            dict(num_warps=4, num_stages=2)))
+                            dict(types, out_ptr="*fp32" if splits > 1 else f"*{dtype}"),
+                            dict(flags, BLOCK_G=16, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=splits), launch))
+            cfg = prefill_attention._config(4, torch_dtype)
             out.append((f"prefill {dtype} fp8={fp8}", prefill_attention._prefill_kernel,
-                        dict(common, out_ptr=f"*{dtype}", num_seqs="i32"),
-                        dict(flags, GROUP=4, BLOCK_Q=16, BLOCK_M=64, BLOCK_N=64),
-                        dict(num_warps=4, num_stages=1 if dtype == "fp32" else 2)))
-            del cfg
+                        dict(types, out_ptr=f"*{dtype}", num_seqs="i32"),
+                        dict(flags, BLOCK_Q=cfg["BLOCK_M"] // 4, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"]),
+                        dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])))
     out.append(("merge", decode_attention._merge_kernel, dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16"),
                 dict(NUM_SPLITS=8, BLOCK_S=8, BLOCK_D=128), dict(num_warps=4, num_stages=1)))
     for fp8 in (False, True):
@@ -63,7 +70,7 @@ def main() -> int:
     failed = 0
     for name, fn, types, constexprs, options in _variants():
         try:
-            smem = _compile(fn, types, constexprs, **options)
+            smem = _compile(fn, types, constexprs, **options).metadata.shared
         except Exception as e:  # report every variant, then fail
             print(f"FAIL {name}: {type(e).__name__}: {e}")
             failed += 1

@@ -121,7 +121,7 @@ def assert_attention_close(actual: torch.Tensor, expected: torch.Tensor, dtype: 
     allowed = atol + u * expected.abs()
     if (err > allowed).any():
         idx = tuple(torch.nonzero(err > allowed)[0].tolist())
-        raise AssertionError(f"{what}: at [token/seq, head, dim] {idx} got {actual[idx].item():.7g}, expected "
-                             f"{expected[idx].item():.7g} (|err| {err[idx].item():.3g} > bound {allowed[idx].item():.3g}); "
-                             f"max |err| {err.max().item():.3g}; {int((err > allowed).sum())} entries out of bound; "
-                             f"seed {seed}")
+        raise AssertionError(
+            f"{what}: at [row, head, dim] {idx} got {actual[idx].item():.7g}, expected {expected[idx].item():.7g} "
+            f"(|err| {err[idx].item():.3g} > bound {allowed[idx].item():.3g}); max |err| {err.max().item():.3g}; "
+            f"{int((err > allowed).sum())} entries out of bound; seed {seed}")

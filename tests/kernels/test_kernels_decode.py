@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import (PagedKV, assert_attention_close, awkward_lengths, make_paged_kv, max_abs_value,
+from kernel_cases import (PagedKV, assert_attention_close, awkward_lengths, gather64, make_paged_kv, max_abs_value,
                           oracle_attention)
 
 import kernels
@@ -14,9 +14,12 @@ HEAD_DIM, NUM_KV_HEADS = 32, 2
 
 
 def _fp8_score_abs(query: torch.Tensor, kv: PagedKV, scale: float) -> float:
-    """max over (row, key) of scale * sum_d |q_d| |k_d|: how far K rounding can move a logit."""
-    k = kv.key_cache.float().abs().amax(dim=(0, 1, 2)) * kv.k_scale  # per-dim bound over all keys
-    return float((query.float().abs() * k).sum(-1).max()) * scale
+    """max over (sequence, head, real key) of scale * sum_d |q_d| |k_d|: how far rounding K can move a logit."""
+    q = query.cpu().double().abs()
+    group = q.shape[1] // kv.key_cache.shape[2]
+    return max(float(torch.einsum("hd,khd->hk", q[i], gather64(kv.key_cache, kv.block_tables[i], n, kv.k_scale)
+                                  .abs().repeat_interleave(group, 1)).max()) * scale
+               for i, n in enumerate(kv.seq_lens.tolist()))
 
 
 def _run(seed: int, device: torch.device, dtype: torch.dtype, group: int, block_size: int, num_splits: int,
@@ -86,3 +89,19 @@ def test_bad_num_splits_is_a_value_error(device: torch.device, bad: object) -> N
     with pytest.raises(ValueError, match="num_splits"):
         kernels.paged_attention_decode(torch.zeros(1, 1, 16, device=device), kv.key_cache, kv.value_cache,
                                        kv.block_tables, kv.seq_lens, 1.0, num_splits=bad, backend="triton")
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_empty_rows_give_zeros_not_nan(device: torch.device, poison_allocations: None, num_splits: int) -> None:
+    """A seq_len-0 row (how a padded CUDA-graph batch looks) writes zeros, whatever the split count,
+    and does not disturb its neighbours."""
+    gen = torch.Generator().manual_seed(0)
+    kv = make_paged_kv(gen, [5, 1], 1, 16, 8, torch.float32, device)
+    seq_lens = torch.tensor([5, 0], dtype=torch.int32, device=device)
+    query = torch.randn(2, 2, 16, generator=gen).to(device)
+    out = kernels.paged_attention_decode(query, kv.key_cache, kv.value_cache, kv.block_tables, seq_lens, 0.25,
+                                         num_splits=num_splits, backend="triton")
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    kv.seq_lens = seq_lens[:1]
+    assert_attention_close(out[:1], oracle_attention(query[:1], kv, [1], 0.25), torch.float32, 0, "row 0",
+                           max_abs_value(kv))

@@ -1,0 +1,134 @@
+"""`python -m grader batch`: every submission in its own limited process, zero with a reason for
+the ones that hang, crash or tamper, and everyone else still graded."""
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from grader.labs import REPO_ROOT
+
+SOLUTION = REPO_ROOT / "solutions" / "00_warmup" / "00_warmup.ipynb"
+STUB = REPO_ROOT / "labs" / "00_warmup" / "00_warmup.ipynb"
+ANSWER = "return (num_tokens + block_size - 1) // block_size"
+TIMEOUT_S = 15
+
+# name -> replacement of the solution's answer line, or an (old, new) edit (None: the released stub)
+SUBMISSIONS = {
+    "correct": ANSWER,
+    "stub": None,
+    "half_right": "return max(1, (num_tokens + block_size - 1) // block_size)",  # wrong for 0 tokens only
+    "endless_loop": "while True:\n        pass",
+    "segfault": "import ctypes\n    ctypes.string_at(0)",
+    "memory_hog": "return len(bytearray(2**34))",
+    "tamper_monkeypatch": "return 0\nimport _pytest.python\n_pytest.python.Function.runtest = lambda self: None",
+    "tamper_edit_tests": (
+        "return 0\nimport pathlib, grader.labtests\n"
+        "_p = pathlib.Path(grader.labtests.__file__).with_name('lab00_warmup.py')\n"
+        "_p.write_text(_p.read_text().replace('assert got == want', 'assert True'))"
+    ),
+    "tamper_own_score": (
+        "return 0\nimport atexit, sys\n"
+        "_out = sys.argv[sys.argv.index('--result') + 1]\n"
+        "atexit.register(lambda: open(_out, 'w').write('{\"results\": [], \"tampered\": []}\\nfeedface\\n'))"
+    ),
+    "raises_at_import": ("def num_blocks_needed", "raise RuntimeError('boom at import')\ndef num_blocks_needed"),
+}
+
+
+def make_submission(root: Path, student: str, answer: str | tuple[str, str] | None) -> None:
+    folder = root / student / "00_warmup"  # nbgrader's submitted/<student>/<assignment>/ layout
+    folder.mkdir(parents=True)
+    nb = nbformat.read(STUB if answer is None else SOLUTION, as_version=4)
+    old, new = answer if isinstance(answer, tuple) else (ANSWER, answer)
+    if answer is not None:
+        for cell in nb.cells:
+            cell.source = cell.source.replace(old, new)
+    nbformat.write(nb, folder / "00_warmup.ipynb")
+    # a copy of the tests that always pass, next to the notebook: must never be used
+    (folder / "test_fake.py").write_text("def test_everything():\n    pass\n")
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory) -> tuple[dict[str, list[dict]], str, Path]:
+    root = tmp_path_factory.mktemp("submitted")
+    for student, answer in SUBMISSIONS.items():
+        make_submission(root, student, answer)
+    (root / "no_notebook").mkdir()
+    out = tmp_path_factory.mktemp("grades")
+    done = subprocess.run(
+        [sys.executable, "-m", "grader", "batch", str(root), "--lab", "00_warmup", "--jobs", "3",
+         "--timeout", str(TIMEOUT_S), "--memory-gb", "2", "--out", str(out)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows: dict[str, list[dict]] = {}
+    with open(out / "grades.csv") as f:
+        for row in csv.DictReader(f):
+            rows.setdefault(row["student"], []).append(row)
+    return rows, done.stdout, out
+
+
+def total(rows: list[dict]) -> float:
+    return sum(float(r["points"]) for r in rows)
+
+
+def test_grades_csv_has_one_row_per_student_and_official_test(batch):
+    rows, _, _ = batch
+    assert set(rows) == set(SUBMISSIONS) | {"no_notebook"}
+    for student, student_rows in rows.items():
+        assert [r["test"] for r in student_rows] == [
+            "test_whole_blocks", "test_partial_block", "test_edge_cases", "test_matches_specification"], student
+
+
+def test_correct_stub_and_half_right_are_graded_on_their_merits(batch):
+    rows, _, _ = batch
+    assert total(rows["correct"]) == 4
+    assert total(rows["stub"]) == 0 and {r["status"] for r in rows["stub"]} == {"failed"}
+    assert total(rows["half_right"]) == 2
+    failed = {r["test"]: r["message"] for r in rows["half_right"] if r["status"] == "failed"}
+    assert "num_blocks_needed(0, 16) returned 1, expected 0" in failed["test_edge_cases"]
+
+
+@pytest.mark.parametrize(
+    "student, status, reason",
+    [
+        ("endless_loop", "timeout", f"timed out after {TIMEOUT_S} s"),
+        ("segfault", "crashed", "died of SIGSEGV"),
+        ("tamper_monkeypatch", "tampered", "_pytest.python.Function.runtest"),
+        ("tamper_edit_tests", "tampered", "grader/labtests/lab00_warmup.py"),
+        ("tamper_own_score", "tampered", "result file was forged"),
+        ("no_notebook", "missing", "no 00_warmup.ipynb"),
+    ],
+)
+def test_bad_submissions_score_zero_with_the_reason(batch, student, status, reason):
+    rows, stdout, _ = batch
+    assert total(rows[student]) == 0
+    assert {r["status"] for r in rows[student]} == {status}
+    assert all(reason in r["message"] for r in rows[student]), rows[student][0]["message"]
+    assert student in stdout
+
+
+def test_memory_limit_fails_the_test_that_allocates(batch):
+    rows, _, _ = batch
+    assert total(rows["memory_hog"]) == 0
+    assert all("MemoryError" in r["message"] for r in rows["memory_hog"]), rows["memory_hog"][0]["message"]
+
+
+def test_an_error_at_import_names_the_cell(batch):
+    rows, _, out = batch
+    assert total(rows["raises_at_import"]) == 0
+    reason = "`num_blocks_needed` is not defined because cell 4 of 00_warmup.ipynb: RuntimeError: boom at import"
+    assert all(r["message"] == reason for r in rows["raises_at_import"]), rows["raises_at_import"][0]["message"]
+    assert "cell 4 of 00_warmup.ipynb: RuntimeError: boom at import" in (out / "report.html").read_text()
+
+
+def test_the_html_report_lists_everyone(batch):
+    _, _, out = batch
+    html = (out / "report.html").read_text()
+    for student in SUBMISSIONS:
+        assert f"id='{student}'" in html
