@@ -103,7 +103,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--hf-batch-sizes", default="8,16,32,64", help="comma-separated; empty: skip Hugging Face")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads for both sides (0: torch's default)")
     a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)  # this benchmark process only
     engine = LLMEngine.from_kwargs(a.model, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                    dtype=a.dtype)
     w = make_workload(a.num_requests, parse_range(a.input_len), parse_range(a.output_len), engine.vocab_size, a.seed)

@@ -10,6 +10,7 @@ import functools
 import importlib
 import json
 import sys
+import time
 
 from grader.labs import REPO_ROOT, bugs_path, check_lab_name, tests_module_name
 from grader.loader import load_notebook
@@ -30,15 +31,20 @@ def selftest(lab: str) -> dict:
     stub = REPO_ROOT / "labs" / lab / f"{lab}.ipynb"
     args = [f"--timeout={PER_TEST_TIMEOUT_S}"]
 
-    def run(path, edits=None) -> list[dict]:
+    seconds: dict[str, float] = {}
+
+    def run(variant: str, path, edits=None, extra=()) -> list[dict]:
+        start = time.perf_counter()
         provider = functools.cache(lambda: load_notebook(path, edits=edits))
-        results = run_tests(lab, provider, pytest_args=args)
+        results = run_tests(lab, provider, pytest_args=[*args, *extra])
+        seconds[variant] = round(time.perf_counter() - start, 2)
         return [r.to_dict() for r in results]
 
-    report = {"solution": run(solution), "stub": run(stub) if stub.is_file() else None, "bugs": {}}
+    report = {"solution": run("solution", solution), "stub": run("stub", stub) if stub.is_file() else None,
+              "bugs": {}, "seconds": seconds}
     for bug in planted_bugs(lab):
         try:
-            report["bugs"][bug.name] = run(solution, bug.edits)
+            report["bugs"][bug.name] = run(bug.name, solution, bug.edits)
         except ValueError as exc:  # the edit's `old` text is not in the solution any more
             report["bugs"][bug.name] = str(exc)
     return report

@@ -13,6 +13,8 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -28,7 +30,8 @@ UNUSED = 1e4  # V in cache rows no sequence owns (their K is 0, a score of 0): r
 def make_batch(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0):
     """Query and caches for `seq_lens`. Physical blocks are handed out shuffled (reading block
     `t // block_size` without the table reads another sequence's K/V), rows no sequence owns hold
-    K = 0 and V = 1e4 (any weight on one shows), and the table has a spare column padded with 0 as the engine pads it."""
+    K = 0 and V = 1e4 (any weight on one shows), and the table has a spare column padded with 0 as
+    the engine pads it."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 2
@@ -81,9 +84,32 @@ def describe(batch):
             f"dtype={str(kc.dtype).removeprefix('torch.')}, block_tables={batch['block_tables'].tolist()}")
 
 
+class CountLaunches:
+    """Stands in for the learner's kernel inside their launcher: counts `kernel[grid](...)` launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+
 def run_decode(student, batch, scale=SCALE):
-    out = student.paged_attention_decode(batch["query"], batch["key_cache"], batch["value_cache"],
-                                         batch["block_tables"], batch["seq_lens"], scale)
+    """The learner's launcher on `batch`; it must launch their Triton kernel `paged_decode_kernel`."""
+    launcher, kernel = student.paged_attention_decode, student.paged_decode_kernel
+    counter = CountLaunches(kernel)
+    launcher.__globals__["paged_decode_kernel"] = counter  # the name the launcher resolves at call time
+    try:
+        out = launcher(batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+                       batch["seq_lens"], scale)
+    finally:
+        launcher.__globals__["paged_decode_kernel"] = kernel
+    assert counter.launches, ("paged_attention_decode returned without launching paged_decode_kernel: the task is "
+                              "the Triton kernel, not a PyTorch fallback")
     assert isinstance(out, torch.Tensor), f"paged_attention_decode returned {type(out).__name__}, expected a tensor"
     q = batch["query"]
     assert out.shape == q.shape and out.dtype == q.dtype, (
@@ -169,6 +195,31 @@ def test_online_softmax_masked_and_huge_logits(student):
     s = torch.tensor([[1000.0, float("-inf"), 999.0, 1001.0]], dtype=torch.float64)
     v = torch.tensor([[1.0], [50.0], [2.0], [3.0]], dtype=torch.float64)
     assert_fold_matches(student, s, v, tile=2, what="logits near 1000 with one masked")
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("online_softmax_step")
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.integers(1, 3), length=st.integers(1, 20), tile=st.integers(1, 8), seed=st.integers(0, 2**16),
+       masked=st.floats(0.0, 0.6))
+def test_online_softmax_any_tiling(student, rows, length, tile, seed, masked):
+    """Any tile size, any length, any pattern of masked scores: the fold equals the softmax of the
+    unmasked scores (rows with no unmasked score end with l = 0 and acc = 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    s = torch.randn(rows, length, generator=gen, dtype=torch.float64) * 5
+    s[torch.rand(rows, length, generator=gen) < masked] = float("-inf")
+    v = torch.randn(length, 3, generator=gen, dtype=torch.float64)
+    m, l, acc = fold(student, s, v, tile)
+    for r in range(rows):
+        row = f"row {s[r].tolist()} in tiles of {tile}"
+        if torch.isinf(s[r]).all():
+            assert l[r] == 0 and not acc[r].any(), (
+                f"{row}: every score masked, got l={l[r].item()}, acc={acc[r].tolist()}, expected 0 and zeros")
+            continue
+        want = torch.softmax(s[r], dim=0) @ v
+        got = acc[r] / l[r]
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-12), (
+            f"{row}: acc / l = {got.tolist()}, expected {want.tolist()}")
 
 
 # ---- task 2: the Triton kernel -------------------------------------------------------------------
@@ -270,8 +321,8 @@ def test_engine_generates_reference_tokens(student, monkeypatch):
     got, leaked = greedy_tokens(device, "triton")
     assert calls, "the engine never called the decode op: the seam kernels.triton.decode_attention is not in use"
     assert got == want, (
-        f"tiny-llama, greedy, 2 prompts of 6 and 14 tokens, block_size 8: your kernel as the decode op ({len(calls)} calls) "
-        f"generated {got}, the reference engine {want}")
+        f"tiny-llama, greedy, 2 prompts of 6 and 14 tokens, block_size 8: your kernel as the decode op "
+        f"({len(calls)} calls) generated {got}, the reference engine {want}")
     assert leaked == 0, f"{leaked} KV blocks still allocated after every request finished"
 
 

@@ -15,5 +15,9 @@ BUGS = [
     PlantedBug("kernel_padding_not_masked", 's = tl.where(t_mask[None, :], s, float("-inf"))\n', ""),
     PlantedBug("kernel_acc_not_rescaled", "acc = acc * alpha[:, None] + dot(", "acc = acc + dot("),
     PlantedBug("kernel_output_uses_query_stride", "out_ptr + seq * stride_os", "out_ptr + seq * stride_qs"),
+    PlantedBug("launcher_falls_back_to_pytorch",
+               "    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)\n",
+               "    from kernels import reference\n    return reference.paged_attention_decode(\n"
+               "        query, key_cache, value_cache, block_tables, seq_lens, scale)\n"),
     PlantedBug("kernel_nan_on_empty_row", "acc / tl.where(l == 0.0, 1.0, l)[:, None]", "acc / l[:, None]"),
 ]

@@ -1,0 +1,28 @@
+"""Planted bugs for lab 03_preemption: preemption slips a learner plausibly makes; each must fail a test."""
+from grader.bugs import PlantedBug
+
+VICTIM = "victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))"
+
+BUGS = [
+    PlantedBug("victim_earliest_arrival", VICTIM,
+               "victim = max(self.running, key=lambda r: (r.priority, -r.arrival_time))"),
+    PlantedBug("victim_ignores_priority", VICTIM, "victim = max(self.running, key=lambda r: r.arrival_time)"),
+    PlantedBug("victim_most_important", VICTIM, "victim = min(self.running, key=lambda r: (r.priority, r.arrival_time))"),
+    PlantedBug("recompute_keeps_progress", "        victim.num_computed_tokens = 0\n", ""),
+    PlantedBug("recompute_to_the_back", "self.waiting.appendleft(victim)", "self.waiting.append(victim)"),
+    PlantedBug("swapped_queue_unsorted",
+               "bisect.insort(self.swapped, victim, key=lambda r: (r.priority, r.arrival_time))",
+               "self.swapped.append(victim)"),
+    PlantedBug("swap_cost_one_way", "swap_s = 2 * n *", "swap_s = n *"),
+    PlantedBug("swap_cost_assumes_fp16", "kv_cache_bytes_per_token(self.model_spec, self.kv_cache_dtype)",
+               'kv_cache_bytes_per_token(self.model_spec, "fp16")'),
+    PlantedBug("forced_swap_without_cpu_room", " or not self.kv_cache_manager.can_swap_out(request)", ""),
+    PlantedBug("swap_out_copies_whole_table", "n = cdiv(request.num_computed_tokens, self.block_size)",
+               "n = len(self.req_to_blocks.get(rid, []))"),
+    PlantedBug("swap_out_leaks_gpu_blocks", "    self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(rid, [])))\n",
+               "    self.req_to_blocks.pop(rid, [])\n"),
+    PlantedBug("swap_in_leaks_cpu_blocks", "    self.cpu_block_pool.free_blocks(self.req_to_cpu_blocks.pop(rid, []))\n",
+               "    self.req_to_cpu_blocks.pop(rid, [])\n"),
+    PlantedBug("swap_in_pairs_reversed", "mapping = [(c.block_id, g.block_id) for c, g in zip(cpu_blocks, gpu_blocks)]",
+               "mapping = [(g.block_id, c.block_id) for c, g in zip(cpu_blocks, gpu_blocks)]"),
+]
