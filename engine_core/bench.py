@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)  # this benchmark process only
-    engine = LLMEngine.from_kwargs(a.model, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                                   dtype=a.dtype)
+    engine = LLMEngine.from_kwargs(a.model, max_num_seqs=a.max_num_seqs,
+                                   max_num_batched_tokens=a.max_num_batched_tokens, dtype=a.dtype)
     w = make_workload(a.num_requests, parse_range(a.input_len), parse_range(a.output_len), engine.vocab_size, a.seed)
     print(f"model {a.model}, {a.num_requests} requests, input {a.input_len}, output {a.output_len} "
           f"({w.num_output_tokens} output tokens), dtype {engine.dtype}, threads {torch.get_num_threads()}")

@@ -28,7 +28,9 @@ def mixed_workload(n: int, vocab_size: int, seed: int) -> list[tuple[list[int], 
     rng = random.Random(seed)
     work = []
     for i in range(n):
-        plen, olen = (rng.randint(200, 600), rng.randint(4, 16)) if i % 4 == 0 else (rng.randint(4, 40), rng.randint(32, 128))
+        long_prompt = i % 4 == 0
+        plen = rng.randint(200, 600) if long_prompt else rng.randint(4, 40)
+        olen = rng.randint(4, 16) if long_prompt else rng.randint(32, 128)
         prompt = [rng.randrange(3, vocab_size) for _ in range(plen)]
         work.append((prompt, SamplingParams(max_tokens=olen, temperature=0.8, top_p=0.95, seed=i, ignore_eos=True)))
     return work
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-gpu-blocks", type=int, default=160, help="small on purpose: shows preemption")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="engine_demo.png")
+    ap.add_argument("--out", default="build/engine_demo.png")
     a = ap.parse_args(argv)
     engine = LLMEngine.from_kwargs(a.model, num_gpu_blocks=a.num_gpu_blocks,
                                    max_num_batched_tokens=a.max_num_batched_tokens, seed=a.seed)

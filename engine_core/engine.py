@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+import kernels
 from engine_core import memory
 from engine_core.config import EngineConfig
 from engine_core.cuda_graphs import DecodeGraphs
@@ -51,6 +52,7 @@ class LLMEngine:
         hf_config = read_config(path)
         args = LlamaArgs.from_config(hf_config, source=str(path / "config.json"))
         device = config.torch_device
+        kernels.resolve_backend(config.attention_backend, device)  # fail now, not at the first step
         ckpt_dtype = getattr(torch, str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"), None)
         dtype = config.torch_dtype(ckpt_dtype if isinstance(ckpt_dtype, torch.dtype) else None)
         max_model_len = _resolve_max_model_len(config.max_model_len, args)

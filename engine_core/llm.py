@@ -53,7 +53,8 @@ class LLM:
                         pending.discard(out.request_id)
                         done[out.request_id] = out
                         bar.update(1)
-            bar.set_postfix_str(f"output {num_tokens / max(time.perf_counter() - start, 1e-9):.1f} tok/s", refresh=False)
+            rate = num_tokens / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
         bar.close()
         return [done[rid] for rid in ids]
 

@@ -20,7 +20,7 @@ def _guarded(name: str) -> bool:
 
 
 def snapshot() -> dict[str, int]:
-    """id of every function/class (and their methods) defined in the guarded modules."""
+    """id of every function/class (and their methods and properties) in the guarded modules."""
     found: dict[str, int] = {}
     for mod_name, module in list(sys.modules.items()):
         if module is None or not _guarded(mod_name) or mod_name.startswith("grader.labtests"):
@@ -30,7 +30,7 @@ def snapshot() -> dict[str, int]:
                 found[f"{mod_name}.{attr}"] = id(getattr(value, "__code__", value))
             if isinstance(value, type) and getattr(value, "__module__", None) == mod_name:
                 for name, member in list(vars(value).items()):
-                    if callable(member):
+                    if callable(member) or isinstance(member, (property, staticmethod, classmethod)):
                         found[f"{mod_name}.{attr}.{name}"] = id(getattr(member, "__code__", member))
     return found
 

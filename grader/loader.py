@@ -147,7 +147,7 @@ def load_notebook(
         code_text = _strip_magics(source)
         _register_source(filename, code_text)
         try:
-            exec(compile(code_text, filename, "exec"), module.__dict__)
+            exec(compile(code_text, filename, "exec", dont_inherit=True), module.__dict__)
         except BaseException as exc:  # noqa: BLE001 - any learner error, even SystemExit, is data
             if isinstance(exc, KeyboardInterrupt):
                 raise

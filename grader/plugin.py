@@ -32,6 +32,7 @@ __all__ = [
 
 STUDENT_PROVIDER = pytest.StashKey[Callable[[], ModuleType]]()
 RESULTS = pytest.StashKey[dict]()
+SUMMARY_DONE = pytest.StashKey[bool]()  # labs/ and solutions/ in one run load this plugin twice
 MARKERS = [
     "points(n): points the test is worth (0 for an ungraded sanity check)",
     "task(name): the graded task the test belongs to (default: the test name without test_)",
@@ -152,6 +153,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
     results = config.stash.get(RESULTS, {})
-    if results:
+    if results and not config.stash.get(SUMMARY_DONE, False):
+        config.stash[SUMMARY_DONE] = True
         terminalreporter.section("points per task")
-        terminalreporter.write_line(format_points_table(results.values()))
+        by_file: dict[str, list[TestResult]] = {}
+        for nodeid, result in results.items():
+            by_file.setdefault(nodeid.split("::")[0], []).append(result)
+        for file, file_results in by_file.items():
+            if len(by_file) > 1:
+                terminalreporter.write_line(f"{file}:")
+            terminalreporter.write_line(format_points_table(file_results))

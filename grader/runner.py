@@ -69,6 +69,7 @@ class _Provide:
 
     def __init__(self, provider: Callable[[], ModuleType]) -> None:
         self.provider = provider
+        self.config: pytest.Config | None = None
 
     def pytest_configure(self, config: pytest.Config) -> None:
         config.stash[plugin.STUDENT_PROVIDER] = self.provider
@@ -104,8 +105,8 @@ def run_tests(
     sink = io.StringIO()
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
         code = pytest.main(args, plugins=[plugin, provide, *plugins])
-    config = getattr(provide, "config", None)
-    results = list(config.stash[plugin.RESULTS].values()) if config is not None else []
-    if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or len(results) < len(selected):
+    results = list(provide.config.stash[plugin.RESULTS].values()) if provide.config is not None else []
+    incomplete = code == pytest.ExitCode.OK and len(results) < len(selected)  # (--exitfirst stops early on failure)
+    if code not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or incomplete:
         raise RuntimeError(f"pytest could not run the tests of lab {lab} (exit {code}):\n{sink.getvalue()}")
     return results

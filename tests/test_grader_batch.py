@@ -12,6 +12,8 @@ import pytest
 
 from grader.labs import REPO_ROOT
 
+pytestmark = pytest.mark.slow  # ~15 s: the endless-loop submission waits out its time limit
+
 SOLUTION = REPO_ROOT / "solutions" / "00_warmup" / "00_warmup.ipynb"
 STUB = REPO_ROOT / "labs" / "00_warmup" / "00_warmup.ipynb"
 ANSWER = "return (num_tokens + block_size - 1) // block_size"

@@ -121,6 +121,7 @@ TRITON_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and triton: ~5 s
 def test_a_triton_jit_kernel_defined_in_a_cell_compiles_under_the_interpreter(tmp_path):
     """@triton.jit reads the kernel's source with inspect: the linecache registration must serve it."""
     path = write(

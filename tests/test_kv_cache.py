@@ -90,7 +90,8 @@ def test_fp8_engine_runs_close_to_fp32():
 def test_cpu_sizing_follows_the_memory_model():
     """num_gpu_blocks = kv_cache_memory_bytes // (2 * layers * kv_heads * head_dim * 4 bytes * block_size)."""
     cfg = read_config(preset_path("tiny-llama"))
-    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * (cfg["hidden_size"] // cfg["num_attention_heads"]) * 4
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
     budget = 1_000_000
     e = LLMEngine.from_kwargs("tiny-llama", kv_cache_memory_bytes=budget, block_size=16, swap_space=0.0001)
     kvm = e.scheduler.kv_cache_manager

@@ -63,7 +63,8 @@ def test_mixed_batch_greedy_rows_stay_greedy():
 def test_seeded_row_is_independent_of_its_neighbours():
     logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(5))
     alone = [Request("s", [1], SamplingParams(temperature=1.0, seed=7))]
-    crowd = _reqs(2, temperature=1.0) + [Request("s", [1], SamplingParams(temperature=1.0, seed=7))] + _reqs(2, temperature=0.5, seed=9)
+    crowd = (_reqs(2, temperature=1.0) + [Request("s", [1], SamplingParams(temperature=1.0, seed=7))]
+             + _reqs(2, temperature=0.5, seed=9))
     a = [Sampler(0)(logits[2:3], alone)[0] for _ in range(10)]
     b = [Sampler(123)(logits, crowd)[2] for _ in range(10)]
     assert a == b

@@ -37,20 +37,21 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     Single-row sequences (decodes) go through the batched decode op in one call; the rest
     (prefill chunks) through the varlen op. Both compute the same thing for a one-row query,
     the decode op just does it for the whole group at once."""
-    backend = {} if meta.backend == "auto" else {"backend": meta.backend}  # "auto" is the dispatch's default
     kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, kv_cache_dtype=meta.kv_cache_dtype,
-                              k_scale=k_scale, v_scale=v_scale, **backend)
+                              k_scale=k_scale, v_scale=v_scale, backend=meta.backend)
     nd = meta.num_decode_seqs
     if nd == len(meta.seq_lens):
         return kernels.paged_attention_decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
-                                              k_scale=k_scale, v_scale=v_scale, **backend)
+                                              k_scale=k_scale, v_scale=v_scale, backend=meta.backend)
     if nd == 0:
         return kernels.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                       meta.query_start_loc, scale, k_scale=k_scale, v_scale=v_scale, **backend)
+                                       meta.query_start_loc, scale, k_scale=k_scale, v_scale=v_scale,
+                                       backend=meta.backend)
     out = torch.empty_like(query)
     out[:nd] = kernels.paged_attention_decode(query[:nd], key_cache, value_cache, meta.block_tables[:nd],
-                                              meta.seq_lens[:nd], scale, k_scale=k_scale, v_scale=v_scale, **backend)
+                                              meta.seq_lens[:nd], scale, k_scale=k_scale, v_scale=v_scale,
+                                              backend=meta.backend)
     out[nd:] = kernels.paged_attention(query[nd:], key_cache, value_cache, meta.block_tables[nd:], meta.seq_lens[nd:],
                                        meta.query_start_loc[nd:] - nd, scale, k_scale=k_scale, v_scale=v_scale,
-                                       **backend)
+                                       backend=meta.backend)
     return out

@@ -57,7 +57,8 @@ class LlamaArgs:
         archs = c.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(f"{source}: architectures {archs} not supported; supported: {list(SUPPORTED_ARCHITECTURES)}")
+            raise ValueError(f"{source}: architectures {archs} not supported; "
+                             f"supported: {list(SUPPORTED_ARCHITECTURES)}")
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {c['hidden_act']!r} not supported (only 'silu')")
         heads = c["num_attention_heads"]
@@ -188,9 +189,9 @@ class MLP(nn.Module):
 
     def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, prefix: str) -> None:
         super().__init__()
-        self.gate_up_weight = _param(torch.cat([ckpt.get(f"{prefix}.gate_proj.weight"), ckpt.get(f"{prefix}.up_proj.weight")]))
-        self.gate_up_bias = (_param(torch.cat([ckpt.get(f"{prefix}.gate_proj.bias"), ckpt.get(f"{prefix}.up_proj.bias")]))
-                             if args.mlp_bias else None)
+        gate_up = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
+        self.gate_up_weight = _param(torch.cat([ckpt.get(f"{n}.weight") for n in gate_up]))
+        self.gate_up_bias = _param(torch.cat([ckpt.get(f"{n}.bias") for n in gate_up])) if args.mlp_bias else None
         self.down_weight = _param(ckpt.get(f"{prefix}.down_proj.weight"))
         self.down_bias = _param(ckpt.get(f"{prefix}.down_proj.bias")) if args.mlp_bias else None
 

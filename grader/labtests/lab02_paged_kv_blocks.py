@@ -210,13 +210,13 @@ def test_allocate_slots_validates_and_handles_zero(student, monkeypatch):
 @pytest.mark.task("allocate_slots")
 def test_allocate_slots_with_prefix_hits(student, monkeypatch):
     """Prefix hits go first in the table and are touched; hits sitting in the free queue are not free room."""
-    monkeypatch.setattr(KVCacheManager, "allocate_slots", student.allocate_slots)
     kvm = KVCacheManager(num_gpu_blocks=3, block_size=4, enable_caching=True)
-    p = _request("p", 8)  # tokens 1..8: two full blocks
-    assert len(kvm.allocate_slots(p, 8)) == 2
+    p = _request("p", 8)  # tokens 1..8: two full blocks, set up with the engine's own allocate_slots
+    kvm.allocate_slots(p, 8)
     p.num_computed_tokens = 8
     kvm.cache_blocks(p, 8)
     kvm.free(p)  # blocks 0 and 1 are free but still hold the prefix: free queue [2, 1, 0]
+    monkeypatch.setattr(KVCacheManager, "allocate_slots", student.allocate_slots)
     q = _request("q", 16)  # tokens 1..16: the same 8-token prefix, then 8 more
     hits, num_cached = kvm.get_computed_blocks(q)
     assert _ids(hits) == [0, 1] and num_cached == 8

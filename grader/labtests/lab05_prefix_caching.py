@@ -166,35 +166,6 @@ def test_lookup_stops_at_first_miss(student):
         f"got blocks {[b.block_id for b in blocks]} ({num} tokens); block [9-12]'s KV needs [5-8]'s KV first")
 
 
-def _shared_prompt_workload():
-    system = [(11 * k) % 400 + 3 for k in range(40)]  # a 40-token system prompt, blocks of 16
-    users = [[(31 * i + 7 * k) % 400 + 3 for k in range(10)] for i in range(5)]
-    return [system + u for u in users]
-
-
-@pytest.mark.points(2)
-@pytest.mark.task("get_computed_blocks")
-def test_hit_rate_shared_system_prompt(student, monkeypatch):
-    """Five 50-token prompts share a 40-token system prompt; the first runs alone, then the other four."""
-    from engine_core import LLM, SamplingParams
-
-    plug_lookup(monkeypatch, student)
-    prompts = _shared_prompt_workload()
-    llm = LLM("tiny-llama", device="cpu", num_gpu_blocks=64, swap_space=0, enable_prefix_caching=True)
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    outs = llm.generate(prompts[:1], params, use_tqdm=False) + llm.generate(prompts[1:], params, use_tqdm=False)
-    # By hand: blocks of 16; the shared 40 tokens fill blocks 0 and 1 (tokens 0-31); block 2 mixes 8 system
-    # tokens with the user's. The first request hits nothing; each of the other four, admitted together
-    # after it finished, hits its 2 full blocks = 32 tokens (they cannot hit each other: a block is cached
-    # once its KV is computed). Queries count every admitted prompt token: 5 x 50 = 250; hits 4 x 32 = 128.
-    cached = [o.num_cached_tokens for o in outs]
-    assert cached == [0, 32, 32, 32, 32], f"prompt tokens served from the cache per request: expected [0, 32, 32, 32, 32], got {cached}"
-    stats = llm.engine.stats()
-    want = 128 / 250
-    assert stats["prefix_cache_hit_rate"] == pytest.approx(want), (
-        f"hit rate: expected 128 / 250 = {want}, got {stats['prefix_cache_hits']} / {stats['prefix_cache_queries']}")
-
-
 # ---- task 3: LRU eviction in BlockPool ---------------------------------------------------
 
 def _cached_pool(student, monkeypatch, n):
@@ -257,6 +228,35 @@ def test_eviction_forgets_the_hash(student, monkeypatch):
         "block 1 was handed out for new tokens, yet its old hash still finds it: a request with that prefix would "
         "read KV that is being overwritten")
     assert pool.get_cached_block(hashes[0]) is blocks[0], "block 0 (still free, not evicted) must stay cached"
+
+
+def _shared_prompt_workload():
+    system = [(11 * k) % 400 + 3 for k in range(40)]  # a 40-token system prompt, blocks of 16
+    users = [[(31 * i + 7 * k) % 400 + 3 for k in range(10)] for i in range(5)]
+    return [system + u for u in users]
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("get_computed_blocks")
+def test_hit_rate_shared_system_prompt(student, monkeypatch):
+    """Five 50-token prompts share a 40-token system prompt; the first runs alone, then the other four."""
+    from engine_core import LLM, SamplingParams
+
+    plug_lookup(monkeypatch, student)
+    prompts = _shared_prompt_workload()
+    llm = LLM("tiny-llama", device="cpu", num_gpu_blocks=64, swap_space=0, enable_prefix_caching=True)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts[:1], params, use_tqdm=False) + llm.generate(prompts[1:], params, use_tqdm=False)
+    # By hand: blocks of 16; the shared 40 tokens fill blocks 0 and 1 (tokens 0-31); block 2 mixes 8 system
+    # tokens with the user's. The first request hits nothing; each of the other four, admitted together
+    # after it finished, hits its 2 full blocks = 32 tokens (they cannot hit each other: a block is cached
+    # once its KV is computed). Queries count every admitted prompt token: 5 x 50 = 250; hits 4 x 32 = 128.
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached == [0, 32, 32, 32, 32], f"prompt tokens served from the cache per request: expected [0, 32, 32, 32, 32], got {cached}"
+    stats = llm.engine.stats()
+    want = 128 / 250
+    assert stats["prefix_cache_hit_rate"] == pytest.approx(want), (
+        f"hit rate: expected 128 / 250 = {want}, got {stats['prefix_cache_hits']} / {stats['prefix_cache_queries']}")
 
 
 # ---- end to end --------------------------------------------------------------------------
