@@ -122,7 +122,7 @@ def report_cost_model(spec_small: memory.ModelSpec) -> None:
         n_x = crossover(spec, dtype, f, b)
         print(f"| {name} | {kv} | {memory.recompute_seconds(spec, 1024, f) * 1e3:.2f} | "
               f"{memory.swap_seconds(spec, 1024, dtype, b) * 1e3:.3f} | {r[1]:.1f} | {r[1024]:.1f} | {r[8192]:.1f} | "
-              f"{n_x if n_x is not None else 'none'} | {even_bw / 1e9:.1f} |")
+              f"{'swap from 1 token' if n_x == 1 else n_x} | {even_bw / 1e9:.3g} |")
 
 
 def main() -> None:
@@ -131,8 +131,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--tight-blocks", type=int, default=32)
+    ap.add_argument("--cost-model-only", action="store_true")
     args = ap.parse_args()
-    run_pressure(args.model, args.repeats, args.num_requests, args.tight_blocks)
+    if not args.cost_model_only:
+        run_pressure(args.model, args.repeats, args.num_requests, args.tight_blocks)
     report_cost_model(memory.ModelSpec.of(read_config(resolve_model("small-llama"))))
 
 

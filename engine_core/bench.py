@@ -8,21 +8,26 @@ The baseline is what a user without an engine would write (DESIGN.md section 6):
 arrival order, static batches of up to B, left padding, max_new_tokens = the batch's longest
 output, each output cut to its own length; every B in --hf-batch-sizes is tried and the best
 reported. Both sides count output tokens/s the same way: the sum of requested output lengths
-over wall time. Greedy decoding with ignore_eos on both sides, so the token agreement printed
+over wall time (and, as a cross-check on a shared machine, over this process's CPU time).
+With --repeats, the sides alternate and medians are reported. Greedy decoding with ignore_eos on both sides, so the token agreement printed
 at the end doubles as a correctness check (left padding can flip near-ties, so it may be < 100%).
 """
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import time
 from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
 
 import torch
 
 from engine_core.engine import LLMEngine
 from engine_core.presets import resolve_model
 from engine_core.request import SamplingParams
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -52,9 +57,16 @@ def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tup
     return Workload(prompts, [rng.randint(*output_len) for _ in range(num_requests)])
 
 
-def run_engine(engine: LLMEngine, w: Workload) -> tuple[float, list[list[int]]]:
-    """Seconds to serve every request (all queued at t=0), and the outputs in request order."""
-    start = time.perf_counter()
+def timed(fn: Callable[..., T], *args: Any) -> tuple[float, float, T]:
+    """(wall seconds, this process's CPU seconds, result). CPU time is the cross-check on a shared
+    machine: other processes stretch wall time, much less the CPU time this one consumes."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = fn(*args)
+    return time.perf_counter() - wall, time.process_time() - cpu, result
+
+
+def run_engine(engine: LLMEngine, w: Workload) -> list[list[int]]:
+    """Serve every request (all queued at t=0); the outputs in request order."""
     for i, (p, n) in enumerate(zip(w.prompts, w.output_lens)):
         engine.add_request(f"bench-{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     outputs: dict[str, list[int]] = {}
@@ -62,14 +74,12 @@ def run_engine(engine: LLMEngine, w: Workload) -> tuple[float, list[list[int]]]:
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
-    elapsed = time.perf_counter() - start
-    return elapsed, [outputs[f"bench-{i}"] for i in range(len(w.prompts))]
+    return [outputs[f"bench-{i}"] for i in range(len(w.prompts))]
 
 
 @torch.inference_mode()
-def run_hf(model, w: Workload, batch_size: int, pad_id: int) -> tuple[float, list[list[int]]]:
+def run_hf(model: Any, w: Workload, batch_size: int, pad_id: int) -> list[list[int]]:
     """Static left-padded batches of `batch_size` in arrival order; each output cut to its length."""
-    start = time.perf_counter()
     outputs: list[list[int]] = []
     for b in range(0, len(w.prompts), batch_size):
         prompts, lens = w.prompts[b:b + batch_size], w.output_lens[b:b + batch_size]
@@ -80,7 +90,7 @@ def run_hf(model, w: Workload, batch_size: int, pad_id: int) -> tuple[float, lis
         seqs = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                               pad_token_id=pad_id)
         outputs += [seqs[i, width:width + n].tolist() for i, n in enumerate(lens)]
-    return time.perf_counter() - start, outputs
+    return outputs
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -104,36 +114,52 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--hf-batch-sizes", default="8,16,32,64", help="comma-separated; empty: skip Hugging Face")
     ap.add_argument("--threads", type=int, default=0, help="torch threads for both sides (0: torch's default)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each side, alternating; medians reported")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)  # this benchmark process only
     engine = LLMEngine.from_kwargs(a.model, max_num_seqs=a.max_num_seqs,
                                    max_num_batched_tokens=a.max_num_batched_tokens, dtype=a.dtype)
     w = make_workload(a.num_requests, parse_range(a.input_len), parse_range(a.output_len), engine.vocab_size, a.seed)
+    warm_up = make_workload(4, (8, 32), (4, 8), engine.vocab_size, a.seed + 1)
     print(f"model {a.model}, {a.num_requests} requests, input {a.input_len}, output {a.output_len} "
           f"({w.num_output_tokens} output tokens), dtype {engine.dtype}, threads {torch.get_num_threads()}")
-    run_engine(engine, make_workload(4, (8, 32), (4, 8), engine.vocab_size, a.seed + 1))  # warm-up
-    engine_s, engine_out = run_engine(engine, w)
-    results = {"engine_tok_s": w.num_output_tokens / engine_s, "engine_s": engine_s}
-    print(f"engine                 {engine_s:8.2f} s  {results['engine_tok_s']:9.1f} output tok/s")
     sizes = [int(s) for s in a.hf_batch_sizes.split(",") if s.strip()]
+    hf, pad = None, 0
     if sizes:
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(resolve_model(a.model), dtype=engine.dtype).eval()
         pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-        run_hf(hf, make_workload(4, (8, 32), (4, 8), engine.vocab_size, a.seed + 1), 4, pad)  # warm-up
-        best = None
+        run_hf(hf, warm_up, 4, pad)
+    run_engine(engine, warm_up)
+    runs: dict[str, list[tuple[float, float]]] = {}  # side -> [(wall, cpu)] per repeat
+    for r in range(a.repeats):
+        wall, cpu, engine_out = timed(run_engine, engine, w)
+        runs.setdefault("engine", []).append((wall, cpu))
+        print(f"[run {r + 1}] engine                {_rate(w, wall, cpu)}")
         for bs in sizes:
-            hf_s, hf_out = run_hf(hf, w, bs, pad)
-            tok_s = w.num_output_tokens / hf_s
-            print(f"HF generate, batch {bs:3d} {hf_s:8.2f} s  {tok_s:9.1f} output tok/s  "
+            wall, cpu, hf_out = timed(run_hf, hf, w, bs, pad)
+            runs.setdefault(f"hf{bs}", []).append((wall, cpu))
+            print(f"[run {r + 1}] HF generate, batch {bs:3d} {_rate(w, wall, cpu)}  "
                   f"(token agreement with the engine {agreement(engine_out, hf_out):.1%})")
-            if best is None or tok_s > best[1]:
-                best = (bs, tok_s)
-        results.update(hf_best_batch_size=best[0], hf_tok_s=best[1], ratio=results["engine_tok_s"] / best[1])
-        print(f"engine / HF best (batch {best[0]}): {results['ratio']:.2f}x")
+    med = {side: (statistics.median(x for x, _ in v), statistics.median(c for _, c in v)) for side, v in runs.items()}
+    results = {"engine_tok_s": w.num_output_tokens / med["engine"][0], "engine_s": med["engine"][0]}
+    print(f"median of {a.repeats}: engine {_rate(w, *med['engine'])}")
+    if sizes:
+        best = min(sizes, key=lambda bs: med[f"hf{bs}"][0])
+        results.update(hf_best_batch_size=best, hf_tok_s=w.num_output_tokens / med[f"hf{best}"][0],
+                       ratio=med[f"hf{best}"][0] / med["engine"][0],
+                       cpu_time_ratio=med[f"hf{best}"][1] / med["engine"][1])
+        print(f"median of {a.repeats}: HF best, batch {best}: {_rate(w, *med[f'hf{best}'])}")
+        print(f"engine / HF best: {results['ratio']:.2f}x output tok/s "
+              f"(by CPU time: {results['cpu_time_ratio']:.2f}x)")
     return results
+
+
+def _rate(w: Workload, wall: float, cpu: float) -> str:
+    return (f"{wall:8.2f} s  {w.num_output_tokens / wall:8.1f} output tok/s  "
+            f"(CPU time {cpu:7.2f} s: {w.num_output_tokens / cpu:7.1f} tok/s)")
 
 
 if __name__ == "__main__":

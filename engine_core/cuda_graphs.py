@@ -47,7 +47,7 @@ class DecodeGraphs:
 
     def can_run(self, batch: "ModelInput") -> bool:
         m = batch.attn_metadata
-        return (self.enabled and m.decode_only and len(m.seq_lens) <= self.sizes[-1]
+        return (self.enabled and m.output_rows is None and m.decode_only and len(m.seq_lens) <= self.sizes[-1]
                 and m.block_tables.shape[1] <= self.block_tables.shape[1])
 
     def run(self, batch: "ModelInput") -> torch.Tensor:

@@ -39,8 +39,8 @@ DEFAULT_CPU_KV_BYTES = 2**30
 class StepInfo:
     """What the last step did: the demo plots these over time."""
 
-    num_prefill_tokens: int = 0  # tokens of chunks that do not end in a new token, plus prompt rows
-    num_decode_tokens: int = 0  # single-token chunks of requests that already have output
+    num_prefill_tokens: int = 0  # prompt (or recomputed) tokens computed this step
+    num_decode_tokens: int = 0  # one-token steps of requests that already had output
     num_seqs: int = 0
     kv_cache_usage: float = 0.0
     duration_s: float = 0.0

@@ -28,9 +28,8 @@ if TYPE_CHECKING:
 class ModelInput:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
-    attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # rows whose hidden state gives a new token
-    emitting: list[Request]
+    attn_metadata: AttentionMetadata  # .output_rows: the rows whose hidden state gives a new token
+    emitting: list[Request]  # the requests of those rows, in row order
 
 
 def chunk_token_ids(request: Request, start: int, num_tokens: int) -> list[int]:
@@ -63,15 +62,19 @@ def build_model_input(chunks: list[ScheduledChunk], block_size: int, device: tor
     seq_idx = torch.repeat_interleave(torch.arange(len(chunks)), nums)
     positions = torch.arange(total) - query_start_loc[seq_idx] + starts[seq_idx]
     slot_mapping = block_tables[seq_idx, positions // block_size].long() * block_size + positions % block_size
-    emits = torch.tensor([c.emits for c in chunks])
-    logits_indices = (query_start_loc[1:] - 1)[emits]
+    emits = torch.tensor([c.emits for c in chunks], dtype=torch.bool)
+    emit_seqs = emits.nonzero().flatten()
+    logits_indices = (query_start_loc[1:] - 1)[emit_seqs]
+    every_row_emits = len(emit_seqs) == total
     meta = AttentionMetadata(
         slot_mapping=slot_mapping.to(device), block_tables=block_tables.to(device),
         seq_lens=(starts + nums).to(device=device, dtype=torch.int32),
         query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
-        num_decode_seqs=int((nums == 1).sum()), kv_cache_dtype=kv_cache_dtype, backend=backend)
+        num_decode_seqs=int((nums == 1).sum()), kv_cache_dtype=kv_cache_dtype, backend=backend,
+        output_rows=None if every_row_emits else logits_indices.to(device),
+        output_seqs=None if every_row_emits else emit_seqs.to(device))
     return ModelInput(torch.tensor(token_ids, dtype=torch.int64, device=device), positions.to(device), meta,
-                      logits_indices.to(device), [c.request for c in chunks if c.emits])
+                      [c.request for c in chunks if c.emits])
 
 
 class ModelRunner:
@@ -96,7 +99,7 @@ class ModelRunner:
         hidden = self._forward(batch)
         if not batch.emitting:  # only mid-prompt chunks this step
             return {}
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.model.compute_logits(hidden)  # the forward returned only the emitting rows
         tokens = self.sampler(logits, batch.emitting)
         return {r.request_id: t for r, t in zip(batch.emitting, tokens)}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from engine_core.config import EngineConfig
 from engine_core.memory import ModelSpec
-from engine_core.request import Request, RequestStatus, SamplingParams
+from engine_core.request import Request, SamplingParams
 from engine_core.scheduler import Scheduler
 from engine_core.scheduler_output import SchedulerOutput
 
@@ -111,7 +111,3 @@ def run_to_completion(sched: Scheduler, runner: FakeRunner | None = None,
         for req in sched.update_from_output(out, runner.execute(out)):
             outputs[req.request_id] = list(req.output_token_ids)
     raise AssertionError(f"not finished after {max_steps} steps: {sched.stats()}")
-
-
-__all__ = ["FakeRunner", "RequestStatus", "make_config", "make_request", "make_scheduler", "reference_output",
-           "run_to_completion", "TINY_SPEC", "EOS", "VOCAB"]

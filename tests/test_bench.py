@@ -28,9 +28,9 @@ def test_hf_baseline_and_engine_agree_token_for_token():
     """Left-padded static batches, each output cut to its own length, give the engine's greedy tokens."""
     w = make_workload(6, (2, 30), (1, 7), 512, seed=3)
     engine = LLMEngine.from_kwargs("tiny-llama", num_gpu_blocks=64)
-    _, engine_out = run_engine(engine, w)
+    engine_out = run_engine(engine, w)
     hf = transformers.AutoModelForCausalLM.from_pretrained(preset_path("tiny-llama"), dtype=torch.float32).eval()
-    _, hf_out = run_hf(hf, w, batch_size=4, pad_id=0)
+    hf_out = run_hf(hf, w, batch_size=4, pad_id=0)
     assert [len(o) for o in hf_out] == w.output_lens == [len(o) for o in engine_out]
     assert agreement(engine_out, hf_out) == 1.0, (engine_out, hf_out)
 
@@ -41,8 +41,8 @@ def test_agreement_counts_up_to_the_first_difference():
 
 def test_smoke_run_prints_both_sides_and_the_ratio(capsys):
     r = main(["--model", "tiny-llama", "--num-requests", "5", "--input-len", "4:24", "--output-len", "2:6",
-              "--hf-batch-sizes", "2,4", "--threads", str(torch.get_num_threads())])
+              "--hf-batch-sizes", "2,4", "--threads", str(torch.get_num_threads()), "--repeats", "2"])
     text = capsys.readouterr().out
-    assert "engine " in text and "HF generate, batch   2" in text and "HF generate, batch   4" in text
+    assert "[run 2] engine " in text and "[run 2] HF generate, batch   2" in text and "HF generate, batch   4" in text
     assert r["hf_best_batch_size"] in (2, 4) and r["ratio"] == pytest.approx(r["engine_tok_s"] / r["hf_tok_s"])
     assert "token agreement with the engine 100.0%" in text

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kernels.reference import FP8_DTYPE, paged_attention, paged_attention_decode, quantize_fp8, reshape_and_cache
+from kernels.reference import DECODE_GROUP, FP8_DTYPE, paged_attention, paged_attention_decode, quantize_fp8, reshape_and_cache
 
 
 def naive(query, keys, values, q_lens, scale):
@@ -63,10 +63,12 @@ def test_paged_attention_matches_naive(block_size, fp8):
 
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_paged_attention_decode_matches_naive(block_size):
-    seq_lens = [1, 17, 40, 5]
-    q, kc, vc, bt, sl, _, keys, values, _ = build(seq_lens, [1] * 4, block_size)
+    seq_lens = [1, 17, 40, 5, 3, 9, 28, 2, 33, 12, 7]  # more than DECODE_GROUP: several length groups
+    assert len(seq_lens) > DECODE_GROUP
+    q, kc, vc, bt, sl, _, keys, values, _ = build(seq_lens, [1] * len(seq_lens), block_size)
+    expected = naive(q, keys, values, [1] * len(seq_lens), 0.3)
     for splits in (1, 3):
         got = paged_attention_decode(q, kc, vc, bt, sl, 0.3, num_splits=splits)
-        torch.testing.assert_close(got.double(), naive(q, keys, values, [1] * 4, 0.3), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="num_splits"):
         paged_attention_decode(q, kc, vc, bt, sl, 0.3, num_splits=0)

@@ -176,3 +176,13 @@ def test_prefill_and_decode_tokens_are_counted():
     run_to_completion(sched)
     s = sched.stats()
     assert (s["num_prefill_tokens"], s["num_decode_tokens"], s["num_finished_requests"]) == (5, 3, 1)
+
+
+def test_finished_requests_feed_the_latency_histograms():
+    sched = make_scheduler(num_gpu_blocks=16)
+    sched.add_request(make_request("a", 5, max_tokens=4))
+    sched.add_request(make_request("b", 5, max_tokens=1))  # one token: a TTFT but no TPOT
+    run_to_completion(sched)
+    ttft, tpot = sched.counters.ttft, sched.counters.tpot
+    assert (ttft.count, sum(ttft.counts), tpot.count) == (2, 2, 1)
+    assert ttft.total >= 0 and tpot.total >= 0

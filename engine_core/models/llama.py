@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_core.kv_cache import KVCache
-from engine_core.models.attention import AttentionMetadata, paged_attention
+from engine_core.models.attention import AttentionMetadata, attend, attend_output_rows, write_kv
 from engine_core.models.loader import CheckpointReader
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -162,7 +162,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(ckpt.get(f"{prefix}.k_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, only_output_rows: bool = False) -> torch.Tensor:
+        """`only_output_rows`: write K/V for every row, return results for meta.output_rows only."""
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(-1, h + 2 * kvh, d)
         q, k, v = qkv.split([h, kvh, kvh], dim=1)
@@ -172,8 +173,9 @@ class Attention(nn.Module):
         i = self.layer_idx
         if kv_cache.needs_scales:
             kv_cache.calibrate_scales(i, k, v)
-        out = paged_attention(q, k, v, kv_cache.key[i], kv_cache.value[i], kv_cache.k_scale[i],
-                              kv_cache.v_scale[i], meta, self.scale)
+        cache = (kv_cache.key[i], kv_cache.value[i], kv_cache.k_scale[i], kv_cache.v_scale[i])
+        write_kv(k, v, *cache, meta)
+        out = (attend_output_rows if only_output_rows else attend)(q, *cache, meta, self.scale)
         return F.linear(out.reshape(-1, h * d), self.o_weight, self.o_bias)
 
 
@@ -210,14 +212,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args, ckpt, f"{p}.mlp")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, kv_cache, meta)
+                meta: AttentionMetadata, only_output_rows: bool = False) -> torch.Tensor:
+        attn = self.attn(self.input_norm(x), cos, sin, kv_cache, meta, only_output_rows)
+        x = (x[meta.output_rows] if only_output_rows else x) + attn
         return x + self.mlp(self.post_attn_norm(x))
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole decoder. `forward` returns final hidden states; `compute_logits` runs the LM head
-    only on the rows the runner asks for (the ones that emit a token)."""
+    """The whole decoder. `forward` returns final hidden states: of every row, or, when
+    `attn_metadata.output_rows` is set, of those rows only (the ones that emit a token), which
+    skips the last layer's attention and MLP for every other row. `compute_logits` is the LM head."""
 
     def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, max_positions: int) -> None:
         super().__init__()
@@ -238,8 +242,10 @@ class LlamaForCausalLM(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.cos[positions], self.sin[positions]
-        for layer in self.layers:
+        only_output_rows = attn_metadata.output_rows is not None
+        for layer in self.layers[:-1]:
             x = layer(x, cos, sin, kv_cache, attn_metadata)
+        x = self.layers[-1](x, cos, sin, kv_cache, attn_metadata, only_output_rows)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,6 @@ from engine_core.block_pool import BlockPool
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request, SamplingParams
 
-LAB = "02_paged_kv_blocks"
-
 
 def _ids(blocks):
     return [b.block_id for b in blocks]

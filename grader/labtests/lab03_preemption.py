@@ -22,7 +22,6 @@ from engine_core.request import Request, RequestStatus, SamplingParams
 from engine_core.scheduler import Scheduler
 from engine_core.scheduler_output import SchedulerOutput
 
-LAB = "03_preemption"
 TINY = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=512)  # tiny-llama's shape: 512 bytes of fp32 KV per token
 # Few weights, much KV per token (2 x 64 KV heads x 16 dims): at the default CPU rates recompute is cheaper.
@@ -54,10 +53,6 @@ def _running(sched: Scheduler, specs) -> list[Request]:
         sched.running.append(req)
         reqs.append(req)
     return reqs
-
-
-def _ids(blocks):
-    return [b.block_id for b in blocks]
 
 
 # ---- task 1: choose_preemption_mode ----------------------------------------------------------

@@ -205,9 +205,11 @@ def _check_step(out, sched, budget, max_num_seqs, where):
     assert len(ids) == len(set(ids)), f"{where}: a request is scheduled twice: {chunks_of(out)}"
     for c in out.scheduled:
         rid = c.request.request_id
-        assert c.request.status == RequestStatus.RUNNING and rid not in out.preempted_request_ids, (
-            f"{where}: request {rid} ({c.request.status.name}) has a chunk although it was preempted this step; "
-            f"drop a victim's chunk (and give its tokens back to the budget): {chunks_of(out)}")
+        assert rid not in out.preempted_request_ids, (
+            f"{where}: request {rid} was preempted this step, yet it has a chunk: drop a victim's chunk (and give "
+            f"its tokens back to the budget), and admit no waiting request in a step that preempted: {chunks_of(out)}")
+        assert c.request.status == RequestStatus.RUNNING, (
+            f"{where}: request {rid} is {c.request.status.name} but has a chunk: {chunks_of(out)}")
         assert c.num_tokens >= 1 and c.start == c.request.num_computed_tokens, (
             f"{where}: chunk {(rid, c.start, c.num_tokens)} must start at num_computed_tokens "
             f"{c.request.num_computed_tokens} with at least 1 token")
