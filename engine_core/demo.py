@@ -9,6 +9,7 @@ of batch composition and KV usage per step.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 from pathlib import Path
@@ -20,7 +21,7 @@ from engine_core.request import RequestOutput, SamplingParams
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100) of a non-empty list."""
     s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q / 100 * len(s) + 0.5) - 1))]
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
 
 
 def mixed_workload(n: int, vocab_size: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
@@ -96,6 +97,7 @@ def plot(steps: list, budget: int, path: Path) -> None:
     top.bar(x, prefill, width=1.0, label="prefill tokens", color="tab:orange")
     top.bar(x, decode, width=1.0, bottom=prefill, label="decode tokens", color="tab:blue")
     top.axhline(budget, color="gray", ls="--", lw=1, label="max_num_batched_tokens")
+    top.set_ylim(0, budget * 1.15)
     top.set_ylabel("tokens in the step")
     top.legend(loc="upper right")
     top.set_title("batch composition per step (one flat batch mixes prefill chunks and decodes)")

@@ -46,3 +46,14 @@ def test_smoke_run_prints_both_sides_and_the_ratio(capsys):
     assert "[run 2] engine " in text and "[run 2] HF generate, batch   2" in text and "HF generate, batch   4" in text
     assert r["hf_best_batch_size"] in (2, 4) and r["ratio"] == pytest.approx(r["engine_tok_s"] / r["hf_tok_s"])
     assert "token agreement with the engine 100.0%" in text
+
+
+def test_demo_prints_the_metrics_table_and_writes_the_plot(tmp_path, capsys):
+    from engine_core import demo
+
+    out = tmp_path / "demo.png"
+    demo.main(["--num-requests", "8", "--num-gpu-blocks", "40", "--out", str(out)])
+    text = capsys.readouterr().out
+    for row in ("output throughput", "TTFT p50 / p90 / p99", "TPOT p50 / p90 / p99", "KV usage mean / peak"):
+        assert row in text
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
