@@ -8,7 +8,7 @@ queue is in LRU order: the front is evicted first, freed blocks join the tail.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Iterable, NamedTuple
 
 
@@ -76,10 +76,15 @@ class BlockPool:
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; a block reaching ref_cnt 0 joins the free queue's
-        tail, in the order given (so pass them in the order they should be evicted)."""
+        tail, in the order given (so pass them in the order they should be evicted). A block freed
+        more often than it is held raises before any ref count changes."""
+        blocks = list(blocks)
+        drops = Counter(block.block_id for block in blocks)
         for block in blocks:
-            if block.ref_cnt <= 0:
-                raise ValueError(f"free_blocks: block {block.block_id} is already free (ref_cnt {block.ref_cnt})")
+            if block.ref_cnt < drops[block.block_id]:
+                raise ValueError(f"free_blocks: block {block.block_id} is already free "
+                                 f"(ref_cnt {block.ref_cnt}, freed {drops[block.block_id]} time(s) here)")
+        for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block

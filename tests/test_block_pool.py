@@ -91,3 +91,11 @@ def test_second_block_with_a_known_hash_is_not_cached():
 def test_empty_pool_is_allowed_and_reports_zero_usage():
     pool = BlockPool(0)
     assert pool.usage == 0.0 and pool.get_new_blocks(0) == []
+
+
+def test_a_bad_free_changes_no_ref_count():
+    pool = BlockPool(2)
+    a, b = pool.get_new_blocks(2)
+    with pytest.raises(ValueError, match="already free"):
+        pool.free_blocks([a, b, b])  # b is held once but freed twice
+    assert (a.ref_cnt, b.ref_cnt) == (1, 1) and not pool.free_queue
