@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -64,6 +64,7 @@ class Graded:
 class Limits:
     timeout_s: float
     memory_bytes: int
+    threads: int = 1  # torch/OpenMP threads per submission: jobs x threads <= cores, or OpenMP spin-waits thrash
 
 
 def find_submissions(root: Path, lab: str) -> list[Submission]:
@@ -105,7 +106,8 @@ def _run_child(sub: Submission, lab: str, limits: Limits, kit_files: Kit, scratc
     shutil.copyfile(sub.notebook, notebook)
     result = scratch / "result.json"
     key = secrets.token_bytes(32)
-    env = {**os.environ, "PYTHONPATH": str(kit), "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(kit), "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": str(limits.threads)}
     log_path = scratch / "log.txt"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -199,6 +201,7 @@ def grade_all(root: Path, lab: str, limits: Limits, out_dir: Path, jobs: int = 1
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     if limits.timeout_s <= 0 or limits.memory_bytes < 2**28:
         raise ValueError(f"--timeout must be > 0 s and --memory-gb >= 0.25, got {limits}")
+    limits = replace(limits, threads=max(1, (os.cpu_count() or 1) // jobs))
     out_dir.mkdir(parents=True, exist_ok=True)
     submissions = find_submissions(root, lab)
     graded: dict[str, Graded] = {}

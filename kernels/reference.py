@@ -44,8 +44,11 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 
 def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     """Whole blocks of K or V for each row of `block_tables` `[S, W]`, in fp32: `[S, W * block_size, H_kv, D]`.
-    Copying whole blocks (contiguous runs of block_size * H_kv * D values) is far cheaper than a gather per token."""
-    x = cache[block_tables.long()].flatten(1, 2)
+    Copying whole blocks (contiguous runs of block_size * H_kv * D values) is far cheaper than a gather per token,
+    and index_select's row copy is about twice as fast on CPU as advanced indexing of the same rows."""
+    num_seqs, width = block_tables.shape
+    ids = block_tables.reshape(-1).long().clamp(min=0)  # padding past a sequence's blocks (-1 or junk) is masked later
+    x = cache.index_select(0, ids).view(num_seqs, width * cache.shape[1], *cache.shape[2:])
     return dequantize_fp8(x, scale, torch.float32) if _is_fp8(cache) else x.float()
 
 
