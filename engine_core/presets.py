@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PRESET_VERSION = 1
+PRESET_VERSION = 2  # bump when a preset's files change: it names the cache folder
 VOCAB_SPECIALS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2; the 256 byte symbols follow
 
 
@@ -102,13 +102,15 @@ def preset_path(name: str) -> Path:
     return target
 
 
-def build_tokenizer(out_dir: Path) -> None:
-    """A byte-level tokenizer: 3 specials, then one token per byte, no merges."""
+def build_tokenizer(out_dir: Path, vocab_size: int) -> None:
+    """A byte-level tokenizer: 3 specials, one token per byte, no merges; ids past those decode as
+    `<id>` so text output shows every token a random model emits (encoding never produces them)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {tok: i for i, tok in enumerate(VOCAB_SPECIALS + alphabet)}
+    fillers = [f"<{i}>" for i in range(len(VOCAB_SPECIALS) + len(alphabet), vocab_size)]
+    vocab = {tok: i for i, tok in enumerate(VOCAB_SPECIALS + alphabet + fillers)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -146,4 +148,4 @@ def build_preset(name: str, out_dir: Path) -> None:
             p.copy_(w.to(dtype))
     model.save_pretrained(out_dir)
     if spec.config["vocab_size"] >= len(VOCAB_SPECIALS) + 256:
-        build_tokenizer(out_dir)
+        build_tokenizer(out_dir, spec.config["vocab_size"])
