@@ -17,7 +17,7 @@ import fcntl
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,6 @@ class Preset:
     residual_gain: float = 1.0  # scales o_proj / down_proj: > 1 keeps tied models from echoing their input
     seed: int = 0
     description: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
