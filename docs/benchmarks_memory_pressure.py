@@ -16,7 +16,7 @@ import time
 import torch
 
 from engine_core import memory
-from engine_core.llm import LLM
+from engine_core.entrypoints.llm import LLM
 from engine_core.models.loader import read_config
 from engine_core.presets import resolve_model
 from engine_core.request import SamplingParams

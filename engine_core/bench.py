@@ -123,13 +123,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     w = make_workload(a.num_requests, parse_range(a.input_len), parse_range(a.output_len), engine.vocab_size, a.seed)
     warm_up = make_workload(4, (8, 32), (4, 8), engine.vocab_size, a.seed + 1)
     print(f"model {a.model}, {a.num_requests} requests, input {a.input_len}, output {a.output_len} "
-          f"({w.num_output_tokens} output tokens), dtype {engine.dtype}, threads {torch.get_num_threads()}")
+          f"({w.num_output_tokens} output tokens), dtype {engine.config.dtype}, threads {torch.get_num_threads()}")
     sizes = [int(s) for s in a.hf_batch_sizes.split(",") if s.strip()]
     hf, pad = None, 0
     if sizes:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(resolve_model(a.model), dtype=engine.dtype).eval()
+        hf = AutoModelForCausalLM.from_pretrained(resolve_model(a.model), dtype=engine.config.dtype).eval()
         pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
         run_hf(hf, warm_up, 4, pad)
     run_engine(engine, warm_up)

@@ -1,10 +1,16 @@
-"""Engine configuration: vLLM's parameter names, validated before anything is built."""
+"""Engine configuration: what the user asked for (`EngineConfig`, vLLM's parameter names, validated
+before anything is built), what the engine resolved it to (`ResolvedConfig`: device, dtypes,
+backend, max_model_len, decided once), and the KV cache the model runner sized (`KVCacheConfig`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+
+import kernels
+from engine_core.models.config import LlamaArgs, ModelConfig
+from kernels.reference import FP8_DTYPE
 
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
@@ -106,3 +112,71 @@ class EngineConfig:
         if self.torch_device.type == "cpu":
             return torch.float32
         return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """Every "derive it" value of an EngineConfig, decided once when the engine is built: the
+    scheduler, the model runner and the kernels read these, never the `auto`s again."""
+
+    engine: EngineConfig  # the user's arguments, as given
+    device: torch.device
+    dtype: torch.dtype  # weights and activations
+    kv_cache_dtype: torch.dtype  # KV storage: the model dtype, or float8_e4m3fn
+    attention_backend: str  # "torch" or "triton"
+    max_model_len: int
+    max_num_batched_tokens: int  # without chunked prefill, raised to max_model_len (any prompt must fit one step)
+
+    @classmethod
+    def resolve(cls, config: EngineConfig, model: ModelConfig) -> "ResolvedConfig":
+        """Raises ValueError naming the parameter when the machine or the checkpoint cannot honour it."""
+        device = config.torch_device
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device must be 'cpu' or 'auto' on a machine without CUDA, got {config.device!r}")
+        max_model_len = _resolve_max_model_len(config.max_model_len, model.args)
+        model.args.check_max_model_len(max_model_len)
+        return cls._of(config, device, config.torch_dtype(model.checkpoint_dtype), max_model_len)
+
+    @classmethod
+    def model_free(cls, config: EngineConfig) -> "ResolvedConfig":
+        """For a Scheduler with no model behind it (scheduler tests, lab experiments): fp32 on the CPU;
+        config.max_model_len must be given."""
+        _need(isinstance(config.max_model_len, int), "max_model_len", "an int when there is no model",
+              config.max_model_len)
+        return cls._of(config, torch.device("cpu"), torch.float32, config.max_model_len)
+
+    @classmethod
+    def _of(cls, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+            max_model_len: int) -> "ResolvedConfig":
+        budget = config.max_num_batched_tokens
+        return cls(engine=config, device=device, dtype=dtype,
+                   kv_cache_dtype=FP8_DTYPE if config.kv_cache_dtype == "fp8_e4m3" else dtype,
+                   attention_backend=kernels.resolve_backend(config.attention_backend, device),
+                   max_model_len=max_model_len,
+                   max_num_batched_tokens=budget if config.enable_chunked_prefill else max(budget, max_model_len))
+
+
+def _resolve_max_model_len(requested: int | None, args: LlamaArgs) -> int:
+    limit = args.max_position_embeddings
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len must be <= the checkpoint's max_position_embeddings={limit}, "
+                         f"got {requested}")
+    return requested
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """The KV cache the model runner sized from its memory budget: blocks on the device and in the
+    CPU swap pool (the scheduler's whole world), and the bytes one block takes."""
+
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    block_bytes: int  # K and V of block_size tokens, every layer
+
+    def __post_init__(self) -> None:
+        _need(isinstance(self.num_gpu_blocks, int) and self.num_gpu_blocks >= 1, "num_gpu_blocks", "an int >= 1",
+              self.num_gpu_blocks)
+        _need(isinstance(self.num_cpu_blocks, int) and self.num_cpu_blocks >= 0, "num_cpu_blocks", "an int >= 0",
+              self.num_cpu_blocks)

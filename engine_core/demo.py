@@ -78,7 +78,7 @@ def print_table(engine: LLMEngine, finished: list[RequestOutput], steps: list) -
         ("preemptions (recompute / swap)", f"{stats['num_preemptions_recompute']} / {stats['num_preemptions_swap']}"),
     ]
     width = max(len(k) for k, _ in rows)
-    print(f"engine demo: {engine.config.model}, block_size {engine.config.block_size}, "
+    print(f"engine demo: {engine.config.engine.model}, block_size {engine.config.engine.block_size}, "
           f"max_num_batched_tokens {engine.config.max_num_batched_tokens}")
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")

@@ -83,6 +83,9 @@ class ModelSpec:
         )
 
 
+# seam: lab 01 (grader/seams.py)
+
+
 def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype | str) -> int:
     """K and V, every layer, every KV head: 2 * layers * kv_heads * head_dim * bytes."""
     s = ModelSpec.of(config)
@@ -118,9 +121,15 @@ def num_params(config: Any, active_only: bool = False) -> int:
     return s.num_layers * _layer_params(s, active_only) + embed + head + s.hidden_size
 
 
+# seam: lab 01 (grader/seams.py)
+
+
 def weight_bytes(config: Any, dtype: torch.dtype | str) -> int:
     """Bytes of all weights (every expert of an MoE model sits in memory)."""
     return num_params(config) * dtype_bytes(dtype)
+
+
+# seam: lab 01 (grader/seams.py)
 
 
 def max_concurrent_requests(gpu_bytes: float, utilization: float, config: Any, context_len: int,
@@ -216,6 +225,9 @@ def allreduce_seconds(config: Any, dtype: torch.dtype | str, num_tokens: int, gp
     return 2 * s.num_layers * 2 * (tp - 1) / tp * tensor_bytes / gpu.nvlink_bytes_per_s
 
 
+# seam: lab 01 (grader/seams.py)
+
+
 def decode_step_lower_bound(config: Any, dtype: torch.dtype | str, batch_size: int, context_len: int,
                             gpu: GPUSpec, tp: int = 1) -> float:
     """Seconds for one decode step of `batch_size` requests, each attending `context_len` keys,
@@ -228,6 +240,9 @@ def decode_step_lower_bound(config: Any, dtype: torch.dtype | str, batch_size: i
     flops = batch_size * prefill_flops(config, 1, context_start=context_len - 1) / tp
     roofline = max(bytes_read / gpu.hbm_bytes_per_s, flops / gpu.bf16_flops)
     return roofline + allreduce_seconds(config, dtype, batch_size, gpu, tp)
+
+
+# seam: lab 01 (grader/seams.py)
 
 
 def prefill_lower_bound(config: Any, dtype: torch.dtype | str, num_tokens: int, gpu: GPUSpec, tp: int = 1) -> float:
@@ -315,6 +330,9 @@ def check_capacity_args(requests_per_s: float, prompt_len: int, output_len: int,
     if not (isinstance(utilization, (int, float)) and 0 < utilization <= 1):
         raise ValueError(f"utilization must be in (0, 1], got {utilization!r}")
     return gpu
+
+
+# seam: lab 01 (grader/seams.py)
 
 
 def capacity_plan(config: Any, dtype: torch.dtype | str, requests_per_s: float, prompt_len: int, output_len: int,

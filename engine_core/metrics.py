@@ -1,51 +1,26 @@
-"""Scheduler counters and latency histograms, named as vLLM's Prometheus metrics.
+"""The engine's numbers in one type, `Stats`, named as vLLM's Prometheus metrics.
 
-`Scheduler.stats()` returns a flat dict with the keys of `STAT_DOCS`; `PROMETHEUS_NAMES`
-maps each to the vLLM metric it corresponds to, and `format_prometheus` writes the text
-exposition format, so a dashboard built for vLLM reads these numbers unchanged.
+Each field is documented where it is declared (its metadata carries the doc and, when vLLM has
+the metric, the Prometheus name). Everything else is derived from it: `Stats.as_dict()` is what
+`LLMEngine.stats()` / `Scheduler.stats()` return, `Stats.to_prometheus()` the text exposition
+(histograms included), and `StepInfo.between(before, after)` what one step did. So "decode
+token" and every other count has exactly one definition: where the scheduler bumps it.
 """
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from engine_core.request import Request
-
-STAT_DOCS: dict[str, str] = {
-    "num_requests_running": "requests holding GPU blocks (decoding or mid-prefill)",
-    "num_requests_waiting": "requests waiting for admission, recompute-preempted ones included",
-    "num_requests_swapped": "requests whose KV sits in the CPU swap pool",
-    "kv_cache_usage": "fraction of GPU KV blocks in use, 0..1 (free cached blocks count as free)",
-    "cpu_kv_cache_usage": "fraction of CPU swap blocks in use, 0..1",
-    "num_preemptions": "preemptions so far, both modes",
-    "num_preemptions_recompute": "preemptions that freed the KV (recomputed later)",
-    "num_preemptions_swap": "preemptions that copied the KV to the CPU pool",
-    "num_blocks_swapped_out": "GPU->CPU block copies planned",
-    "num_blocks_swapped_in": "CPU->GPU block copies planned",
-    "prefix_cache_queries": "tokens of admitted requests looked up in the prefix cache",
-    "prefix_cache_hits": "of those, tokens served from the cache",
-    "prefix_cache_hit_rate": "prefix_cache_hits / prefix_cache_queries (0 when no queries)",
-    "num_prefill_tokens": "tokens computed that were not a decode step's single new token (prompts, recomputes)",
-    "num_decode_tokens": "decode tokens computed (one per request per decode step)",
-    "num_finished_requests": "requests that finished or were aborted",
-}
-
-PROMETHEUS_NAMES: dict[str, str] = {
-    "num_requests_running": "vllm:num_requests_running",
-    "num_requests_waiting": "vllm:num_requests_waiting",
-    "num_requests_swapped": "vllm:num_requests_swapped",
-    "kv_cache_usage": "vllm:gpu_cache_usage_perc",
-    "cpu_kv_cache_usage": "vllm:cpu_cache_usage_perc",
-    "num_preemptions": "vllm:num_preemptions_total",
-    "prefix_cache_queries": "vllm:prefix_cache_queries_total",
-    "prefix_cache_hits": "vllm:prefix_cache_hits_total",
-    "num_prefill_tokens": "vllm:prompt_tokens_total",
-    "num_decode_tokens": "vllm:generation_tokens_total",
-}
 
 # vLLM's buckets (seconds) for time to first token and time per output token.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+def _stat(doc: str, prometheus: str | None = None, kind: str = "counter", default: Any = 0) -> Any:
+    return field(default=default, metadata={"doc": doc, "prometheus": prometheus, "kind": kind})
 
 
 @dataclass
@@ -58,32 +33,68 @@ class Histogram:
     count: int = 0
 
     def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.buckets) + 1)  # last: +Inf
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)  # last: +Inf
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.total += value
         self.count += 1
 
+    def copy(self) -> "Histogram":
+        return Histogram(self.buckets, list(self.counts), self.total, self.count)
+
 
 @dataclass
-class SchedulerCounters:
-    """Monotonic counters the scheduler bumps as it works."""
+class Stats:
+    """Gauges are the state when the snapshot was taken; counters only grow."""
 
-    num_preemptions_recompute: int = 0
-    num_preemptions_swap: int = 0
-    num_blocks_swapped_out: int = 0
-    num_blocks_swapped_in: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
-    num_finished_requests: int = 0
-    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
-    tpot: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
+    num_requests_running: int = _stat("requests holding GPU blocks (decoding or mid-prefill)",
+                                      "vllm:num_requests_running", "gauge")
+    num_requests_waiting: int = _stat("requests waiting for admission, recompute-preempted ones included",
+                                      "vllm:num_requests_waiting", "gauge")
+    num_requests_swapped: int = _stat("requests whose KV sits in the CPU swap pool (vLLM v0's metric)",
+                                      "vllm:num_requests_swapped", "gauge")
+    kv_cache_usage: float = _stat("fraction of GPU KV blocks in use, 0..1 (free cached blocks count as free)",
+                                  "vllm:gpu_cache_usage_perc", "gauge", 0.0)
+    cpu_kv_cache_usage: float = _stat("fraction of CPU swap blocks in use, 0..1", "vllm:cpu_cache_usage_perc",
+                                      "gauge", 0.0)
+    num_preemptions_recompute: int = _stat("preemptions that freed the KV (recomputed later)")
+    num_preemptions_swap: int = _stat("preemptions that copied the KV to the CPU pool")
+    num_blocks_swapped_out: int = _stat("GPU->CPU block copies planned")
+    num_blocks_swapped_in: int = _stat("CPU->GPU block copies planned")
+    prefix_cache_queries: int = _stat("tokens of admitted requests looked up in the prefix cache",
+                                      "vllm:prefix_cache_queries_total")
+    prefix_cache_hits: int = _stat("of those, tokens served from the cache", "vllm:prefix_cache_hits_total")
+    num_prefill_tokens: int = _stat("tokens computed that were not a decode token (prompts, recomputed tokens)",
+                                    "vllm:prompt_tokens_total")
+    num_decode_tokens: int = _stat("decode tokens computed: the single token of a one-token chunk of a request "
+                                   "that already has output", "vllm:generation_tokens_total")
+    num_finished_requests: int = _stat("requests that finished or were aborted")
+    num_steps: int = _stat("engine steps run")
+    num_generated_tokens: int = _stat("tokens sampled and appended to a request's output")
+    step_time_s: float = _stat("wall seconds spent in engine steps", default=0.0)
+    ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS),
+                            metadata={"doc": "time to first token, seconds", "kind": "histogram",
+                                      "prometheus": "vllm:time_to_first_token_seconds"})
+    tpot: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS),
+                            metadata={"doc": "mean time per output token after the first, seconds, per request",
+                                      "kind": "histogram", "prometheus": "vllm:time_per_output_token_seconds"})
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_preemptions_recompute + self.num_preemptions_swap
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def generation_tokens_per_s(self) -> float:
+        return self.num_generated_tokens / self.step_time_s if self.step_time_s else 0.0
 
     def observe_finished(self, request: Request) -> None:
-        """Record a finished request's TTFT and mean TPOT (when it produced the tokens to have them)."""
+        """Count a finished request and record its TTFT and mean TPOT (when it has them)."""
         self.num_finished_requests += 1
         ttft = request.metrics.ttft
         if ttft is not None:
@@ -92,12 +103,59 @@ class SchedulerCounters:
         if tpot is not None:
             self.tpot.observe(tpot)
 
+    def snapshot(self, **gauges: float) -> "Stats":
+        """A copy with the gauges set: later bumps of this object do not change it."""
+        return replace(self, ttft=self.ttft.copy(), tpot=self.tpot.copy(), **gauges)
 
-def format_prometheus(stats: dict[str, float]) -> str:
-    """Prometheus text exposition of the stats that have a vLLM name."""
-    lines = []
-    for key, name in PROMETHEUS_NAMES.items():
-        if key in stats:
-            lines.append(f"# HELP {name} {STAT_DOCS[key]}")
-            lines.append(f"{name} {float(stats[key])}")
-    return "\n".join(lines) + "\n"
+    def as_dict(self) -> dict[str, float]:
+        """Every scalar field, plus the derived num_preemptions, prefix_cache_hit_rate, generation_tokens_per_s."""
+        out: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata["kind"] != "histogram"}
+        out.update(num_preemptions=self.num_preemptions, prefix_cache_hit_rate=self.prefix_cache_hit_rate,
+                   generation_tokens_per_s=self.generation_tokens_per_s)
+        return out
+
+    def to_prometheus(self) -> str:
+        """The text exposition format of every field vLLM has a metric for (histograms as _bucket/_sum/_count)."""
+        lines = ["# HELP vllm:num_preemptions_total preemptions so far, both modes",
+                 "# TYPE vllm:num_preemptions_total counter", f"vllm:num_preemptions_total {float(self.num_preemptions)}"]
+        for f in fields(self):
+            name, kind = f.metadata.get("prometheus"), f.metadata["kind"]
+            if name is None:
+                continue
+            lines += [f"# HELP {name} {f.metadata['doc']}", f"# TYPE {name} {kind}"]
+            value = getattr(self, f.name)
+            if kind != "histogram":
+                lines.append(f"{name} {float(value)}")
+                continue
+            cumulative = 0
+            for bound, count in zip([*map(str, value.buckets), "+Inf"], value.counts):
+                cumulative += count
+                lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
+            lines += [f"{name}_sum {value.total}", f"{name}_count {value.count}"]
+        return "\n".join(lines) + "\n"
+
+
+def stat_docs() -> dict[str, str]:
+    """Key of `Stats.as_dict()` -> what it means."""
+    docs = {f.name: f.metadata["doc"] for f in fields(Stats) if f.metadata["kind"] != "histogram"}
+    docs.update(num_preemptions="preemptions so far, both modes",
+                prefix_cache_hit_rate="prefix_cache_hits / prefix_cache_queries (0 when no queries)",
+                generation_tokens_per_s="num_generated_tokens / step_time_s")
+    return docs
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What one step did, as the difference of the stats after and before it (the demo plots these)."""
+
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_seqs: int = 0  # sequences in the step's batch
+    kv_cache_usage: float = 0.0  # after the step
+    duration_s: float = 0.0
+
+    @classmethod
+    def between(cls, before: Stats, after: Stats, num_seqs: int) -> "StepInfo":
+        return cls(after.num_prefill_tokens - before.num_prefill_tokens,
+                   after.num_decode_tokens - before.num_decode_tokens, num_seqs, after.kv_cache_usage,
+                   after.step_time_s - before.step_time_s)

@@ -9,11 +9,12 @@ assertion on an empty slot). `reference_output` computes the same chain without 
 """
 from __future__ import annotations
 
-from engine_core.config import EngineConfig
+from engine_core.config import EngineConfig, KVCacheConfig, ResolvedConfig
+from engine_core.core.cost_model import PreemptionCostModel
 from engine_core.memory import ModelSpec
 from engine_core.request import Request, SamplingParams
-from engine_core.scheduler import Scheduler
-from engine_core.scheduler_output import SchedulerOutput
+from engine_core.core.scheduler import Scheduler
+from engine_core.core.scheduler_output import BlockTables, SchedulerOutput
 
 TINY_SPEC = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
                       intermediate_size=128, vocab_size=512)
@@ -52,15 +53,17 @@ class FakeRunner:
         self.bs = block_size
         self.gpu: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_gpu_blocks)]
         self.cpu: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
+        self.tables = BlockTables()
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        self.tables.forget(out.preempted_request_ids)
         for g, c in out.swap_out:  # swap_out copies first, then swap_in, then the forward
             self.cpu[c] = list(self.gpu[g])
         for c, g in out.swap_in:
             self.gpu[g] = list(self.cpu[c])
         sampled = {}
         for chunk in out.scheduled:
-            table, tokens = chunk.block_ids, chunk.token_ids
+            table, tokens = self.tables.update(chunk), chunk.token_ids
             assert len(table) * self.bs >= chunk.start + chunk.num_tokens, (
                 f"{chunk.request.request_id}: table {table} too short for {chunk.start + chunk.num_tokens} tokens")
             kv = -1 if chunk.start == 0 else self._read(table, chunk.start - 1, chunk.request.request_id)
@@ -87,7 +90,10 @@ def make_config(**kw) -> EngineConfig:
 
 
 def make_scheduler(num_gpu_blocks: int, num_cpu_blocks: int = 0, **kw) -> Scheduler:
-    return Scheduler(make_config(**kw), num_gpu_blocks, num_cpu_blocks, TINY_SPEC, "fp32")
+    config = make_config(**kw)
+    cost_model = PreemptionCostModel.for_device(TINY_SPEC, "fp32", "cpu", config.prefill_flops_per_s,
+                                                config.swap_bandwidth_bytes_per_s)
+    return Scheduler(ResolvedConfig.model_free(config), KVCacheConfig(num_gpu_blocks, num_cpu_blocks, 0), cost_model)
 
 
 def make_request(rid: str, prompt: list[int] | int, max_tokens: int = 4, priority: int = 0,

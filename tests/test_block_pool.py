@@ -1,8 +1,8 @@
 """BlockPool rules: ref counts, the free queue in eviction (LRU) order, the prefix-cache map."""
 import pytest
 
-from engine_core.block_pool import BlockPool
-from engine_core.kv_cache_manager import hash_block_tokens
+from engine_core.core.block_pool import BlockPool
+from engine_core.core.kv_cache_manager import hash_block_tokens
 
 
 def ids(blocks):

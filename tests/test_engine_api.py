@@ -176,3 +176,26 @@ def test_generate_rejects_the_batch_before_queuing_any():
 def test_unknown_engine_argument():
     with pytest.raises(ValueError, match=r"unknown engine argument\(s\) \['max_seqs'\]"):
         LLM("tiny-llama", max_seqs=4)
+
+
+def test_prometheus_text_has_vllm_names_and_latency_histograms():
+    llm = LLM("tiny-llama", device="cpu")
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    text = llm.engine.prometheus_metrics()
+    assert "vllm:generation_tokens_total 2.0" in text and "vllm:prompt_tokens_total 3.0" in text
+    assert 'vllm:time_to_first_token_seconds_bucket{le="+Inf"} 1' in text
+    assert "vllm:time_per_output_token_seconds_count 1" in text
+
+
+def test_step_info_and_stats_count_decode_tokens_the_same_way():
+    llm = LLM("tiny-llama", device="cpu", max_num_batched_tokens=8)
+    engine = llm.engine
+    for i, n in enumerate((3, 12, 5)):
+        engine.add_request(f"r{i}", list(range(3, 3 + n)), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    prefill = decode = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        prefill += engine.last_step.num_prefill_tokens
+        decode += engine.last_step.num_decode_tokens
+    stats = engine.stats()
+    assert (prefill, decode) == (stats["num_prefill_tokens"], stats["num_decode_tokens"]) == (20, 9)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from sched_helpers import EOS, FakeRunner, make_request, make_scheduler, reference_output
 
-from engine_core.kv_cache_manager import cdiv
+from engine_core.core.kv_cache_manager import cdiv
 from engine_core.request import RequestStatus
 
 PREFIXES = [[], [3] * 8, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [7, 8, 9, 7, 8, 9]]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine_core import LLM, LLMEngine, SamplingParams
-from engine_core.kv_cache import KVCache, copy_blocks, swap_blocks
+from engine_core.worker.kv_cache import KVCache, swap_blocks
 from engine_core.models.loader import read_config
 from engine_core.presets import preset_path
 
@@ -41,20 +41,12 @@ def test_swap_out_and_back_in_restores_blocks():
         assert torch.equal(kv.key[layer][0], before[0][layer][0])  # untouched
 
 
-def test_copy_blocks_copies_within_each_cache():
-    kv = _filled_cache()
-    b0 = kv.key[1][0].clone()
-    kv.copy([(0, 3)])
-    assert torch.equal(kv.key[1][3], b0) and torch.equal(kv.value[1][3], -b0)
-
-
 def test_swap_blocks_is_one_indexed_copy_with_overlapping_ids():
     src = torch.arange(5.0)[:, None].repeat(1, 3)
     swap_blocks(src, src, torch.tensor([[0, 1], [1, 0]]))  # a swap, not a chain
     assert src[:2, 0].tolist() == [1.0, 0.0]
     swap_blocks(src, src, torch.empty(0, 2, dtype=torch.int64))
-    copy_blocks([src], torch.tensor([[4, 2]]))
-    assert src[2, 0] == 4.0
+    assert src[:, 0].tolist() == [1.0, 0.0, 2.0, 3.0, 4.0]
 
 
 def test_fp8_cache_has_per_layer_scales_and_calibrates_once():
@@ -95,8 +87,8 @@ def test_cpu_sizing_follows_the_memory_model():
     budget = 1_000_000
     e = LLMEngine.from_kwargs("tiny-llama", kv_cache_memory_bytes=budget, block_size=16, swap_space=0.0001)
     kvm = e.scheduler.kv_cache_manager
-    assert kvm.num_gpu_blocks == budget // (per_token * 16) == e.kv_cache.num_blocks
-    assert kvm.num_cpu_blocks == int(0.0001 * 2**30) // (per_token * 16) == e.kv_cache.cpu_key[0].shape[0]
+    assert kvm.num_gpu_blocks == budget // (per_token * 16) == e.runner.kv_cache.num_blocks
+    assert kvm.num_cpu_blocks == int(0.0001 * 2**30) // (per_token * 16) == e.runner.kv_cache.cpu_key[0].shape[0]
     # the swap pool is capped at the device cache's size: more could never be used
     e = LLMEngine.from_kwargs("tiny-llama", num_gpu_blocks=10, swap_space=1.0)
     assert e.scheduler.kv_cache_manager.num_cpu_blocks == 10

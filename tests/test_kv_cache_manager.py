@@ -2,7 +2,7 @@
 import pytest
 from sched_helpers import make_request
 
-from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.core.kv_cache_manager import KVCacheManager
 
 
 def test_block_table_grows_one_block_per_block_size_tokens():

@@ -147,7 +147,7 @@ def test_unknown_preset_lists_the_presets():
 def test_tied_embeddings_share_the_lm_head():
     """Qwen3 preset: no lm_head.weight in the file; the LM head is the embedding matrix."""
     llm = LLM("tiny-qwen3", num_gpu_blocks=8)
-    assert llm.engine.model.lm_head is llm.engine.model.embed
+    assert llm.engine.runner.model.lm_head is llm.engine.runner.model.embed
 
 
 def test_max_model_len_beyond_the_checkpoint_is_refused():

@@ -6,7 +6,7 @@ from sched_helpers import EOS, TINY_SPEC, FakeRunner, make_request, make_schedul
 
 from engine_core import memory
 from engine_core.request import RequestStatus, SamplingParams
-from engine_core.scheduler_output import SchedulerOutput
+from engine_core.core.scheduler_output import SchedulerOutput
 
 
 def fill(sched, specs):
@@ -64,7 +64,8 @@ def test_swapped_requests_come_back_before_waiting_ones_are_admitted():
     out = sched.schedule()
     assert [c.request.request_id for c in out.scheduled] == ["a", "w"]
     assert len(out.swap_in) == 2 and out.scheduled[0].start == 6
-    assert [g for _, g in out.swap_in] == out.scheduled[0].block_ids[:2]
+    assert out.scheduled[0].resumed, "a swapped-in request gets a fresh table: the runner must replace its row"
+    assert [g for _, g in out.swap_in] == out.scheduled[0].new_block_ids[:2]
     assert sched.stats()["num_blocks_swapped_in"] == 2
 
 
@@ -162,7 +163,7 @@ E2E_PARAMS = [SamplingParams(max_tokens=E2E_RNG.randrange(8, 24), temperature=0.
 
 
 def generate(**engine_args):
-    from engine_core.llm import LLM
+    from engine_core.entrypoints.llm import LLM
 
     llm = LLM(model="tiny-llama", block_size=4, max_model_len=128, max_num_batched_tokens=32, **engine_args)
     outs = llm.generate(E2E_PROMPTS, E2E_PARAMS, use_tqdm=False)
@@ -196,7 +197,7 @@ def test_engine_auto_mode_recomputes_when_there_is_no_swap_pool(plenty_outputs):
 
 
 def test_engine_rejects_a_request_that_can_never_fit():
-    from engine_core.llm import LLM
+    from engine_core.entrypoints.llm import LLM
 
     llm = LLM(model="tiny-llama", block_size=4, num_gpu_blocks=4, max_model_len=128)
     with pytest.raises(ValueError, match="can never fit"):

@@ -5,9 +5,9 @@ import random
 import pytest
 from sched_helpers import EOS, FakeRunner, make_request, make_scheduler, reference_output, run_to_completion
 
-from engine_core import kv_cache_manager as kvm_module
-from engine_core.block_pool import BlockHash
-from engine_core.kv_cache_manager import hash_block_tokens
+from engine_core.core import kv_cache_manager as kvm_module
+from engine_core.core.block_pool import BlockHash
+from engine_core.core.kv_cache_manager import hash_block_tokens
 
 
 def step(sched, runner):
@@ -155,7 +155,7 @@ def test_engine_32_requests_sharing_a_system_prompt():
     """Issue #4: identical outputs with caching on and off; the prefill tokens computed drop by the
     shared part. One earlier request served the system prompt (as in a running server), so each
     of the 32 finds its 96 tokens (6 blocks of 16) cached."""
-    from engine_core.llm import LLM
+    from engine_core.entrypoints.llm import LLM
     from engine_core.request import SamplingParams
 
     rng = random.Random(3)

@@ -6,7 +6,7 @@ import torch
 
 from engine_core import LLM, SamplingParams
 from engine_core.request import Request
-from engine_core.sampler import Sampler
+from engine_core.worker.sampler import Sampler
 
 
 def _reqs(n: int, **params) -> list[Request]:

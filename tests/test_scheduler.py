@@ -2,7 +2,8 @@
 import pytest
 from sched_helpers import EOS, FakeRunner, make_request, make_scheduler, reference_output, run_to_completion
 
-from engine_core.metrics import STAT_DOCS, format_prometheus
+from engine_core.metrics import stat_docs
+from engine_core.core.scheduler_output import SchedulerOutput
 from engine_core.request import RequestStatus
 
 
@@ -65,8 +66,29 @@ def test_schedule_does_not_advance_num_computed_tokens():
     sched.add_request(req)
     out = sched.schedule()
     assert req.num_computed_tokens == 0 and out.scheduled[0].start == 0
-    assert out.scheduled[0].block_ids == sched.kv_cache_manager.get_block_ids("a") == [0, 1]
+    assert out.scheduled[0].new_block_ids == sched.kv_cache_manager.get_block_ids("a") == [0, 1]
+    assert out.scheduled[0].resumed  # the runner has never seen "a": the chunk carries the whole table
     assert req.metrics.first_scheduled_time is not None and req.status == RequestStatus.RUNNING
+
+
+def test_chunks_hand_over_only_new_block_ids():
+    """A running request's chunks carry the blocks appended since its last chunk; after a recompute
+    preemption the table is new, so its next chunk carries the whole table again (resumed)."""
+    sched = make_scheduler(num_gpu_blocks=8, max_num_batched_tokens=8)
+    runner = runner_for(sched)
+    sched.add_request(make_request("a", 7, max_tokens=6))
+    handed = []
+    for _ in range(4):
+        out, _ = step(sched, runner)
+        c = out.scheduled[0]
+        handed.append((c.start, c.num_tokens, c.new_block_ids, c.resumed))
+    # 7 prompt tokens (blocks 0, 1), decode at 7 (no new block), at 8 (block 2), at 9 (none)
+    assert handed == [(0, 7, [0, 1], True), (7, 1, [], False), (8, 1, [2], False), (9, 1, [], False)]
+    plan = SchedulerOutput()
+    sched._preempt(plan)  # recompute: blocks freed, a is waiting again
+    out, _ = step(sched, runner)
+    c = out.scheduled[0]
+    assert (c.start, c.resumed) == (0, True) and c.new_block_ids == sched.kv_cache_manager.get_block_ids("a")
 
 
 def test_long_prefill_token_threshold_caps_one_request_per_step():
@@ -165,9 +187,11 @@ def test_stats_keys_are_documented_and_exported():
     sched = make_scheduler(num_gpu_blocks=16)
     sched.add_request(make_request("a", 5))
     stats = sched.stats()
-    assert stats.keys() == STAT_DOCS.keys()
+    assert stats.keys() == stat_docs().keys()
     assert stats["num_requests_waiting"] == 1 and stats["kv_cache_usage"] == 0.0
-    assert "vllm:num_requests_swapped 0.0" in format_prometheus(stats)
+    text = sched.make_stats().to_prometheus()
+    assert "vllm:num_requests_swapped 0.0" in text and "vllm:num_requests_waiting 1.0" in text
+    assert 'vllm:time_to_first_token_seconds_bucket{le="+Inf"} 0' in text
 
 
 def test_prefill_and_decode_tokens_are_counted():

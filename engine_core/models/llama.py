@@ -14,101 +14,16 @@ attn_metadata)` over one flat varlen batch of tokens.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_core.kv_cache import KVCache
+from engine_core.worker.kv_cache import KVCache
 from engine_core.models.attention import AttentionMetadata, attend, attend_output_rows, write_kv
+from engine_core.models.config import LlamaArgs
 from engine_core.models.loader import CheckpointReader
-
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-@dataclass(frozen=True)
-class LlamaArgs:
-    """The switches and shapes of one checkpoint, normalised across the family."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-    sliding_window: int | None
-    rope: dict[str, Any] = field(default_factory=dict)  # rope_type, rope_theta, and the type's own keys
-
-    @classmethod
-    def from_config(cls, c: dict[str, Any], source: str = "config.json") -> "LlamaArgs":
-        archs = c.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(f"{source}: architectures {archs} not supported; "
-                             f"supported: {list(SUPPORTED_ARCHITECTURES)}")
-        if c.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: hidden_act {c['hidden_act']!r} not supported (only 'silu')")
-        heads = c["num_attention_heads"]
-        qwen2, qwen3 = arch.startswith("Qwen2"), arch.startswith("Qwen3")
-        bias = bool(c.get("attention_bias", False)) and arch != "MistralForCausalLM"
-        return cls(
-            architecture=arch,
-            vocab_size=c["vocab_size"],
-            hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"],
-            num_layers=c["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=c.get("max_position_embeddings", 2048),
-            qkv_bias=qwen2 or bias,
-            o_bias=bias and not qwen2,
-            mlp_bias=bool(c.get("mlp_bias", False)),
-            qk_norm=qwen3,
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            sliding_window=_sliding_window(c, arch),
-            rope=_rope_params(c, source),
-        )
-
-    def check_max_model_len(self, max_model_len: int) -> None:
-        """Sliding-window attention is not implemented: refuse a window that would matter."""
-        if self.sliding_window is not None and self.sliding_window < max_model_len:
-            raise ValueError(f"sliding_window={self.sliding_window} < max_model_len={max_model_len} is not supported "
-                             f"(full attention only); set max_model_len <= {self.sliding_window}")
-
-
-def _sliding_window(c: dict[str, Any], arch: str) -> int | None:
-    """Mistral applies `sliding_window` when set; Qwen2/3 only with `use_sliding_window`."""
-    window = c.get("sliding_window")
-    if arch.startswith("Qwen") and not c.get("use_sliding_window", False):
-        return None
-    return int(window) if window else None
-
-
-def _rope_params(c: dict[str, Any], source: str) -> dict[str, Any]:
-    """Accept transformers 5's `rope_parameters` and the older `rope_theta` + `rope_scaling`."""
-    params = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-    params.setdefault("rope_type", params.pop("type", "default"))
-    params.setdefault("rope_theta", c.get("rope_theta", 10000.0))
-    if params["rope_type"] not in _ROPE_TYPES:
-        raise ValueError(f"{source}: rope_type {params['rope_type']!r} not supported; supported: {list(_ROPE_TYPES)}")
-    if params["rope_type"] == "llama3":
-        params.setdefault("original_max_position_embeddings", c.get("max_position_embeddings", 2048))
-    return params
 
 
 def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
@@ -252,9 +167,8 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, self.lm_head).float()
 
 
-def load_model(folder: str | Path, config: dict[str, Any], dtype: torch.dtype, device: torch.device,
+def load_model(folder: str | Path, args: LlamaArgs, dtype: torch.dtype, device: torch.device,
                max_positions: int) -> LlamaForCausalLM:
-    """Build the model from `folder`'s safetensors; `config` is its parsed config.json."""
-    args = LlamaArgs.from_config(config, source=str(Path(folder) / "config.json"))
+    """Build the model from `folder`'s safetensors; `args` is its parsed config.json."""
     ckpt = CheckpointReader(folder, dtype, device)
     return LlamaForCausalLM(args, ckpt, max_positions).eval()

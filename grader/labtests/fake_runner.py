@@ -10,11 +10,12 @@ with no cache at all: what any correct schedule must produce.
 """
 from __future__ import annotations
 
-from engine_core.config import EngineConfig
+from engine_core.config import EngineConfig, KVCacheConfig, ResolvedConfig
+from engine_core.core.cost_model import PreemptionCostModel
 from engine_core.memory import ModelSpec
 from engine_core.request import Request, SamplingParams
-from engine_core.scheduler import Scheduler
-from engine_core.scheduler_output import SchedulerOutput
+from engine_core.core.scheduler import Scheduler
+from engine_core.core.scheduler_output import BlockTables, SchedulerOutput
 
 TINY_SPEC = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
                       intermediate_size=128, vocab_size=512)
@@ -43,11 +44,13 @@ class FakeRunner:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.bs = block_size
         self.slots: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.tables = BlockTables()
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         sampled = {}
+        self.tables.forget(out.preempted_request_ids)
         for chunk in out.scheduled:
-            rid, table = chunk.request.request_id, chunk.block_ids
+            rid, table = chunk.request.request_id, self.tables.update(chunk)
             end = chunk.start + chunk.num_tokens
             assert len(table) * self.bs >= end, f"request {rid}: block table {table} is too short for {end} tokens"
             kv = -1 if chunk.start == 0 else self.read(table, chunk.start - 1, rid)
@@ -70,7 +73,8 @@ def make_scheduler(num_gpu_blocks: int, **kw) -> Scheduler:
     """A Scheduler with no model behind it (block_size 4, budget 16, max_model_len 256 unless given)."""
     kw = {"block_size": 4, "max_model_len": 256, "max_num_batched_tokens": 16, "device": "cpu",
           "preemption_mode": "recompute", **kw}
-    return Scheduler(EngineConfig(**kw), num_gpu_blocks, 0, TINY_SPEC, "fp32")
+    cost_model = PreemptionCostModel.for_device(TINY_SPEC, "fp32", "cpu")
+    return Scheduler(ResolvedConfig.model_free(EngineConfig(**kw)), KVCacheConfig(num_gpu_blocks, 0, 0), cost_model)
 
 
 def make_request(rid: str, prompt: list[int] | int, max_tokens: int = 4, arrival: float | None = None,

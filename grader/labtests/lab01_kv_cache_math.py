@@ -98,12 +98,12 @@ def test_engine_kv_cache_matches(student, monkeypatch):
                             ("tiny-llama", "fp8_e4m3")):
         engine = LLMEngine.from_kwargs(model, device="cpu", kv_cache_memory_bytes=budget,
                                        kv_cache_dtype=kv_dtype, swap_space=0)
-        cache = engine.kv_cache
+        cache = engine.runner.kv_cache
         allocated = sum(t.numel() * t.element_size() for t in cache.key + cache.value)
         measured = allocated // (cache.num_blocks * cache.block_size)
-        got = student.kv_cache_bytes_per_token(engine.model_spec, cache.dtype)
+        got = student.kv_cache_bytes_per_token(engine.cost_model.model_spec, cache.dtype)
         assert got == measured, (f"{model} with a {cache.dtype} KV cache: your function says {got!r} bytes per "
-                                 f"token, the engine's K and V tensors hold {measured} ({engine.model_spec})")
+                                 f"token, the engine's K and V tensors hold {measured} ({engine.cost_model.model_spec})")
         want_blocks = budget // (cache.block_size * measured)
         assert cache.num_blocks == want_blocks, (f"{model}: a {budget}-byte budget should hold {want_blocks} "
                                                  f"blocks, the engine sized {cache.num_blocks} with your function")

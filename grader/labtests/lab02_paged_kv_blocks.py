@@ -1,8 +1,8 @@
 """Official tests of lab 02_paged_kv_blocks: the block pool and block-table growth.
 
 The learner writes `get_new_blocks(self, num_blocks)` and `free_blocks(self, blocks)` of
-`engine_core.block_pool.BlockPool` and `allocate_slots(self, request, num_new_tokens,
-new_computed_blocks=None)` of `engine_core.kv_cache_manager.KVCacheManager`, as plain functions.
+`engine_core.core.block_pool.BlockPool` and `allocate_slots(self, request, num_new_tokens,
+new_computed_blocks=None)` of `engine_core.core.kv_cache_manager.KVCacheManager`, as plain functions.
 Each unit test plugs in only the piece it grades (the engine's own code does the set-up), so one
 wrong function fails its own tests only. The end-to-end tests plug in all three and compare the
 engine's tokens with the reference engine's on the same workload, then look for leaked blocks.
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_core.block_pool import BlockPool
-from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.core.block_pool import BlockPool
+from engine_core.core.kv_cache_manager import KVCacheManager
 from engine_core.request import Request, SamplingParams
 
 
@@ -78,7 +78,7 @@ def test_get_new_blocks_rejects_bad_counts(student, monkeypatch):
 @pytest.mark.task("get_new_blocks")
 def test_get_new_blocks_evicts_a_cached_block(student, monkeypatch):
     """A free block that still holds a prefix's KV loses its cache entry when handed out for new tokens."""
-    from engine_core.kv_cache_manager import hash_block_tokens
+    from engine_core.core.kv_cache_manager import hash_block_tokens
 
     pool = BlockPool(3)
     b0 = pool.get_new_blocks(1)[0]  # the engine's own get_new_blocks, for the set-up

@@ -1,8 +1,8 @@
 """Official tests of lab 03_preemption: victim choice, recompute-or-swap, swap-out and swap-in planning.
 
 The learner writes `_preempt(self, out)` and `choose_preemption_mode(self, request)` of
-`engine_core.scheduler.Scheduler`, and `swap_out(self, request)` / `swap_in(self, request)` of
-`engine_core.kv_cache_manager.KVCacheManager`, as plain functions. Unit tests plug in only the piece
+`engine_core.core.scheduler.Scheduler`, and `swap_out(self, request)` / `swap_in(self, request)` of
+`engine_core.core.kv_cache_manager.KVCacheManager`, as plain functions. Unit tests plug in only the piece
 they grade (the engine's own code does the set-up and the rest); the end-to-end tests plug in all
 four and run tiny-llama under memory pressure: the tokens must equal the reference engine's on the
 same configuration, the preemption counts must be the ones derived by hand below, and every GPU
@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from engine_core import memory
-from engine_core.config import EngineConfig
-from engine_core.kv_cache import KVCache
-from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.config import EngineConfig, KVCacheConfig, ResolvedConfig
+from engine_core.core.cost_model import PreemptionCostModel
+from engine_core.worker.kv_cache import KVCache
+from engine_core.core.kv_cache_manager import KVCacheManager
 from engine_core.memory import ModelSpec
 from engine_core.request import Request, RequestStatus, SamplingParams
-from engine_core.scheduler import Scheduler
-from engine_core.scheduler_output import SchedulerOutput
+from engine_core.core.scheduler import Scheduler
+from engine_core.core.scheduler_output import SchedulerOutput
 
 TINY = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=512)  # tiny-llama's shape: 512 bytes of fp32 KV per token
@@ -32,7 +33,9 @@ WIDE_KV = ModelSpec(num_layers=1, hidden_size=16, num_attention_heads=64, num_kv
 def _scheduler(num_gpu_blocks, num_cpu_blocks=0, spec=TINY, kv_dtype="fp32", **config) -> Scheduler:
     cfg = EngineConfig(**{"block_size": 4, "max_model_len": 256, "max_num_batched_tokens": 64, "device": "cpu",
                           **config})
-    return Scheduler(cfg, num_gpu_blocks, num_cpu_blocks, spec, kv_dtype)
+    cost_model = PreemptionCostModel.for_device(spec, kv_dtype, "cpu", cfg.prefill_flops_per_s,
+                                                cfg.swap_bandwidth_bytes_per_s)
+    return Scheduler(ResolvedConfig.model_free(cfg), KVCacheConfig(num_gpu_blocks, num_cpu_blocks, 0), cost_model)
 
 
 def _request(rid, n, priority=0, arrival=0.0, max_tokens=8) -> Request:

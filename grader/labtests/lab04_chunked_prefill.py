@@ -1,6 +1,6 @@
 """Official tests of lab 04_chunked_prefill: the token-budget scheduling loop.
 
-The learner writes three methods of `engine_core.scheduler.Scheduler` as plain functions
+The learner writes three methods of `engine_core.core.scheduler.Scheduler` as plain functions
 (`self` first): `_num_new_tokens` (the chunking rule), `_admit_waiting` (FCFS admission) and
 `schedule` (running requests first, then swapped, then waiting). Each test plugs in only the
 piece it grades (monkeypatch on the class), so one wrong function fails its own tests; the
@@ -14,8 +14,8 @@ import random
 import pytest
 
 from engine_core.request import RequestStatus
-from engine_core.scheduler import Scheduler
-from engine_core.scheduler_output import SchedulerOutput
+from engine_core.core.scheduler import Scheduler
+from engine_core.core.scheduler_output import SchedulerOutput
 from grader.labtests.fake_runner import (FakeRunner, assert_no_leaked_blocks, make_request, make_scheduler,
                                          reference_output, step)
 

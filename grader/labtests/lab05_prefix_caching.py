@@ -1,6 +1,6 @@
 """Official tests of lab 05_prefix_caching: chained block hashes, prefix lookup, LRU eviction.
 
-The learner writes `hash_block_tokens` (seam: the module function in engine_core.kv_cache_manager
+The learner writes `hash_block_tokens` (seam: the module function in engine_core.core.kv_cache_manager
 that `KVCacheManager.block_hashes` calls), `get_computed_blocks` (seam: the KVCacheManager method)
 and the LRU side of `BlockPool` (`get_new_blocks`, `touch`). Each test plugs in only what it
 grades; the end-to-end test plugs in all four and compares the real engine with caching on
@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from engine_core import kv_cache_manager as kvm_module
-from engine_core.block_pool import BlockHash, BlockPool
-from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.core import kv_cache_manager as kvm_module
+from engine_core.core.block_pool import BlockHash, BlockPool
+from engine_core.core.kv_cache_manager import KVCacheManager
 from grader.labtests.fake_runner import (FakeRunner, assert_no_leaked_blocks, make_request, make_scheduler,
                                          reference_output, step)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_core.llm import LLM
+from engine_core.entrypoints.llm import LLM
 from engine_core.request import SamplingParams
 
 PROMPTS = ["The paged KV cache keeps every block", "Hi", "Flash-decoding splits a long context across programs"]

@@ -1,7 +1,7 @@
 """The KV cache tensors: per layer one K and one V of `[num_blocks, block_size, num_kv_heads, head_dim]`.
 
 Slot `s` of a layer is `cache.view(-1, num_kv_heads, head_dim)[s]`, i.e. block `s // block_size`,
-offset `s % block_size` (DESIGN.md section 3). The device cache is in the model dtype, or in
+offset `s % block_size` (the kernel contract, docs/architecture.md). The device cache is in the model dtype, or in
 float8_e4m3fn with one K and one V scale per layer (`kv_cache_dtype="fp8_e4m3"`). The CPU swap
 pool has the same layout; block copies are batched: one indexed copy per layer and direction.
 """
@@ -19,12 +19,6 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> 
     src_ids = mapping[:, 0].to(src.device)
     dst_ids = mapping[:, 1].to(dst.device)
     dst.index_copy_(0, dst_ids, src.index_select(0, src_ids).to(dst.device))
-
-
-def copy_blocks(caches: list[torch.Tensor], mapping: torch.Tensor) -> None:
-    """Copy blocks within each cache (copy-on-write of a shared block): one indexed copy per tensor."""
-    for cache in caches:
-        swap_blocks(cache, cache, mapping)
 
 
 class KVCache:
@@ -80,8 +74,3 @@ class KVCache:
             for layer in range(self.num_layers):
                 swap_blocks(self.cpu_key[layer], self.key[layer], m)
                 swap_blocks(self.cpu_value[layer], self.value[layer], m)
-
-    def copy(self, pairs: list[tuple[int, int]]) -> None:
-        """(src_block, dst_block) pairs within the device cache."""
-        if pairs:
-            copy_blocks(self.key + self.value, torch.tensor(pairs, dtype=torch.int64))

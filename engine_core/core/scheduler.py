@@ -17,45 +17,37 @@ import time
 from collections import deque
 from typing import Iterable
 
-import torch
-
 from engine_core import memory
-from engine_core.config import EngineConfig
-from engine_core.kv_cache_manager import KVCacheManager, cdiv
-from engine_core.metrics import SchedulerCounters
+from engine_core.config import KVCacheConfig, ResolvedConfig
+from engine_core.core.cost_model import PreemptionCostModel
+from engine_core.core.kv_cache_manager import KVCacheBlock, KVCacheManager, cdiv
+from engine_core.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from engine_core.metrics import Stats
 from engine_core.request import Request, RequestStatus
-from engine_core.scheduler_output import ScheduledChunk, SchedulerOutput
 
 
 class Scheduler:
     """Decides, each step, which tokens of which requests run, and which KV blocks move."""
 
-    def __init__(self, config: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int,
-                 model_spec: memory.ModelSpec, kv_cache_dtype: torch.dtype | str) -> None:
-        if not isinstance(config.max_model_len, int):
-            raise ValueError(f"max_model_len must be resolved to an int before the Scheduler is built, "
-                             f"got {config.max_model_len!r}")
-        if not isinstance(num_gpu_blocks, int) or num_gpu_blocks < 1:
-            raise ValueError(f"num_gpu_blocks must be an int >= 1, got {num_gpu_blocks!r}")
-        if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
-        self.config = config
-        self.block_size = config.block_size
+    def __init__(self, config: ResolvedConfig, kv_cache_config: KVCacheConfig,
+                 cost_model: PreemptionCostModel) -> None:
+        self.config = config.engine  # the user's arguments (preemption_mode, long_prefill_token_threshold, ...)
+        self.block_size = config.engine.block_size
         self.max_model_len = config.max_model_len
-        self.max_num_seqs = config.max_num_seqs
-        self.chunked_prefill = config.enable_chunked_prefill
-        self.max_num_batched_tokens = (config.max_num_batched_tokens if self.chunked_prefill
-                                       else max(config.max_num_batched_tokens, config.max_model_len))
-        self.model_spec = model_spec
-        self.kv_cache_dtype = kv_cache_dtype
-        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, config.block_size,
-                                               enable_caching=config.enable_prefix_caching,
-                                               num_cpu_blocks=num_cpu_blocks)
+        self.max_num_seqs = config.engine.max_num_seqs
+        self.chunked_prefill = config.engine.enable_chunked_prefill
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.cost_model = cost_model
+        self.kv_cache_manager = KVCacheManager(kv_cache_config.num_gpu_blocks, self.block_size,
+                                               enable_caching=config.engine.enable_prefix_caching,
+                                               num_cpu_blocks=kv_cache_config.num_cpu_blocks)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()  # recompute-preempted requests at the front
         self.running: list[Request] = []  # in admission order
         self.swapped: list[Request] = []  # sorted by (priority, arrival): swapped back in FCFS
-        self.counters = SchedulerCounters()
+        self.counters = Stats()
+        # request id -> (its block table list, blocks of it the runner has): to hand over only new block ids
+        self._sent_tables: dict[str, tuple[list[KVCacheBlock], int]] = {}
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -97,6 +89,7 @@ class Scheduler:
         return len(self.requests)
 
     # ---- one step ------------------------------------------------------------------------
+    # seam: lab 04 (grader/seams.py)
     def schedule(self) -> SchedulerOutput:
         """Plan one step under the token budget (see the module docstring for the order).
         Does not advance num_computed_tokens: `update_from_output` does, after the forward."""
@@ -133,6 +126,8 @@ class Scheduler:
                 self._admit_waiting(out, budget)
         return out
 
+    # seam: lab 04 (grader/seams.py)
+
     def _num_new_tokens(self, request: Request, budget: int, num_computed: int | None = None) -> int:
         """Tokens to compute for `request` this step: all remaining ones (after `num_computed`,
         default its num_computed_tokens), capped by the budget and (chunked prefill only)
@@ -147,10 +142,18 @@ class Scheduler:
         return min(remaining, budget)
 
     def _schedule_chunk(self, request: Request, num_new: int, out: SchedulerOutput) -> ScheduledChunk:
+        """Add `num_new` tokens of `request` to the step, with the block ids the runner does not have yet:
+        the blocks appended to the same table since it last ran, or the whole table when the table is a
+        new one (admitted, recomputed, swapped back in)."""
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = time.monotonic()
-        chunk = ScheduledChunk(request, request.num_computed_tokens, num_new,
-                               self.kv_cache_manager.get_block_ids(request.request_id))
+        rid = request.request_id
+        table = self.kv_cache_manager.req_to_blocks.get(rid, [])
+        sent = self._sent_tables.get(rid)
+        resumed = sent is None or sent[0] is not table or sent[1] > len(table)
+        new_blocks = table if resumed else table[sent[1]:]
+        self._sent_tables[rid] = (table, len(table))
+        chunk = ScheduledChunk(request, request.num_computed_tokens, num_new, [b.block_id for b in new_blocks], resumed)
         out.scheduled.append(chunk)
         return chunk
 
@@ -175,6 +178,8 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    # seam: lab 04 (grader/seams.py)
+
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests in FCFS order (a prefix-cache lookup first) while budget,
         max_num_seqs and blocks allow; the first that does not fit stops admission."""
@@ -197,6 +202,7 @@ class Scheduler:
             budget -= num_new
 
     # ---- preemption (lab 03 seams) -------------------------------------------------------
+    # seam: lab 03 (grader/seams.py)
     def _preempt(self, out: SchedulerOutput) -> Request:
         """Preempt one running request and return it. Victim: the lowest priority (largest
         `priority` value), latest arrival among ties. Mode from `choose_preemption_mode`:
@@ -223,14 +229,16 @@ class Scheduler:
             self.waiting.appendleft(victim)
         return victim
 
+    # seam: lab 03 (grader/seams.py)
+
     def choose_preemption_mode(self, request: Request) -> str:
         """"recompute" or "swap" for preempting `request`.
 
         Swap needs room in the CPU pool for the request's written KV, and something to copy;
         otherwise recompute. `config.preemption_mode` "recompute"/"swap" forces the mode
-        (swap still falls back when impossible). "auto" compares the cost model:
+        (swap still falls back when impossible). "auto" compares the cost model's prices:
         memory.recompute_seconds (prefill FLOPs again) vs memory.swap_seconds (KV out and back
-        over the host link), with config rates or memory.DEFAULT_RATES of the device type.
+        over the host link), at the rates and KV dtype of `self.cost_model`.
         """
         mode = self.config.preemption_mode
         num_tokens = request.num_computed_tokens
@@ -238,11 +246,9 @@ class Scheduler:
             return "recompute"
         if mode == "swap":
             return "swap"
-        default_flops, default_bw = memory.DEFAULT_RATES[self.config.torch_device.type]
-        flops = self.config.prefill_flops_per_s or default_flops
-        bandwidth = self.config.swap_bandwidth_bytes_per_s or default_bw
-        recompute = memory.recompute_seconds(self.model_spec, num_tokens, flops)
-        swap = memory.swap_seconds(self.model_spec, num_tokens, self.kv_cache_dtype, bandwidth)
+        cm = self.cost_model
+        recompute = memory.recompute_seconds(cm.model_spec, num_tokens, cm.prefill_flops_per_s)
+        swap = memory.swap_seconds(cm.model_spec, num_tokens, cm.kv_cache_dtype, cm.swap_bytes_per_s)
         return "swap" if swap < recompute else "recompute"
 
     # ---- after the forward pass ----------------------------------------------------------
@@ -260,12 +266,13 @@ class Scheduler:
             emits = chunk.emits
             request.num_computed_tokens = chunk.start + chunk.num_tokens
             self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-            decode = 1 if emits and request.num_output_tokens > 0 else 0
+            decode = 1 if emits and chunk.num_tokens == 1 and request.num_output_tokens > 0 else 0
             self.counters.num_decode_tokens += decode
             self.counters.num_prefill_tokens += chunk.num_tokens - decode
             if not emits:
                 continue
             request.append_token(sampled_token_ids[request.request_id], now)
+            self.counters.num_generated_tokens += 1
             got_token.append(request)
             status = request.check_stop(self.max_model_len)
             if status is not None:
@@ -287,27 +294,17 @@ class Scheduler:
         request.metrics.finished_time = time.monotonic() if now is None else now
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        self._sent_tables.pop(request.request_id, None)
         self.counters.observe_finished(request)
 
     # ---- metrics -------------------------------------------------------------------------
+    def make_stats(self) -> Stats:
+        """The counters with the gauges of this moment (a copy: later steps do not change it)."""
+        kvm = self.kv_cache_manager
+        return self.counters.snapshot(num_requests_running=len(self.running), num_requests_waiting=len(self.waiting),
+                                      num_requests_swapped=len(self.swapped), kv_cache_usage=kvm.usage,
+                                      cpu_kv_cache_usage=kvm.cpu_usage)
+
     def stats(self) -> dict[str, float]:
-        """Current gauges and counters; keys and meanings in engine_core.metrics.STAT_DOCS."""
-        c = self.counters
-        return {
-            "num_requests_running": len(self.running),
-            "num_requests_waiting": len(self.waiting),
-            "num_requests_swapped": len(self.swapped),
-            "kv_cache_usage": self.kv_cache_manager.usage,
-            "cpu_kv_cache_usage": self.kv_cache_manager.cpu_usage,
-            "num_preemptions": c.num_preemptions_recompute + c.num_preemptions_swap,
-            "num_preemptions_recompute": c.num_preemptions_recompute,
-            "num_preemptions_swap": c.num_preemptions_swap,
-            "num_blocks_swapped_out": c.num_blocks_swapped_out,
-            "num_blocks_swapped_in": c.num_blocks_swapped_in,
-            "prefix_cache_queries": c.prefix_cache_queries,
-            "prefix_cache_hits": c.prefix_cache_hits,
-            "prefix_cache_hit_rate": c.prefix_cache_hits / c.prefix_cache_queries if c.prefix_cache_queries else 0.0,
-            "num_prefill_tokens": c.num_prefill_tokens,
-            "num_decode_tokens": c.num_decode_tokens,
-            "num_finished_requests": c.num_finished_requests,
-        }
+        """`make_stats().as_dict()`: keys and meanings in engine_core.metrics.stat_docs()."""
+        return self.make_stats().as_dict()

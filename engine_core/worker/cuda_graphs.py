@@ -10,16 +10,12 @@ switched off with a warning and the runner stays eager: slower, never wrong.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
 
-from engine_core.kv_cache import KVCache
 from engine_core.models.attention import AttentionMetadata
 from engine_core.models.llama import LlamaForCausalLM
-
-if TYPE_CHECKING:
-    from engine_core.model_runner import ModelInput
+from engine_core.worker.kv_cache import KVCache
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -45,17 +41,15 @@ class DecodeGraphs:
         self.pool = None
         self.enabled = True
 
-    def can_run(self, batch: "ModelInput") -> bool:
-        m = batch.attn_metadata
+    def can_run(self, m: AttentionMetadata) -> bool:
         return (self.enabled and m.output_rows is None and m.decode_only and len(m.seq_lens) <= self.sizes[-1]
                 and m.block_tables.shape[1] <= self.block_tables.shape[1])
 
-    def run(self, batch: "ModelInput") -> torch.Tensor:
-        m = batch.attn_metadata
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata) -> torch.Tensor:
         n = len(m.seq_lens)
         size = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(m.slot_mapping)
         self.slot_mapping[n:size] = -1
         self.block_tables[:size] = 0
@@ -63,7 +57,7 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(m.seq_lens)
         self.seq_lens[n:size] = 1
         if size not in self.graphs and not self._capture(size, m):
-            return self.model(batch.input_ids, batch.positions, self.kv_cache, m)
+            return self.model(input_ids, positions, self.kv_cache, m)
         self.graphs[size].replay()
         return self.outputs[size][:n]
 

@@ -1,0 +1,1 @@
+"""Entry points for users: the offline `LLM` facade."""

@@ -1,0 +1,179 @@
+"""The model runner: owns the model, the KV cache tensors, the sampler and the CUDA graphs, and
+turns each SchedulerOutput into one flat varlen forward.
+
+Built in vLLM's order: load the weights (`__init__`), size the KV cache from the memory budget
+(`determine_kv_cache_config`: explicit `num_gpu_blocks`; on CUDA the device memory times
+`gpu_memory_utilization` minus the peak of a profiling forward of `max_num_batched_tokens`
+tokens; on CPU `kv_cache_memory_bytes`, default 1 GiB), then allocate it and capture CUDA graphs
+(`initialize_kv_cache`).
+
+Per step (`execute_model`): run the scheduled KV block copies (swap_out first, then swap_in),
+apply the new block ids to the persistent block tables (`InputBatch`), build the batch tensors
+(input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc) with vectorised
+index arithmetic, run the model, and compute logits only for the rows whose chunk reaches the
+end of its request. Decode-only batches on CUDA replay CUDA graphs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_core import memory
+from engine_core.config import KVCacheConfig, ResolvedConfig
+from engine_core.core.kv_cache_manager import cdiv
+from engine_core.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from engine_core.models.attention import AttentionMetadata
+from engine_core.models.config import ModelConfig
+from engine_core.models.llama import LlamaForCausalLM, load_model
+from engine_core.request import Request, SamplingParams
+from engine_core.worker.cuda_graphs import DecodeGraphs
+from engine_core.worker.input_batch import InputBatch
+from engine_core.worker.kv_cache import KVCache
+from engine_core.worker.sampler import Sampler
+
+DEFAULT_CPU_KV_BYTES = 2**30
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attn_metadata: AttentionMetadata  # .output_rows: the rows whose hidden state gives a new token
+    emitting: list[Request]  # the requests of those rows, in row order
+
+
+class ModelRunner:
+    def __init__(self, config: ResolvedConfig, model_config: ModelConfig) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = config.device
+        self.block_size = config.engine.block_size
+        self.model: LlamaForCausalLM = load_model(model_config.path, model_config.args, config.dtype, config.device,
+                                                  max_positions=config.max_model_len)
+        self.sampler = Sampler(config.engine.seed)
+        self.input_batch = InputBatch(config.engine.max_num_seqs, cdiv(config.max_model_len, self.block_size))
+        self.kv_cache: KVCache | None = None  # initialize_kv_cache
+        self.cuda_graphs: DecodeGraphs | None = None
+
+    # ---- memory --------------------------------------------------------------------------
+    def determine_kv_cache_config(self) -> KVCacheConfig:
+        """Blocks on the device (explicit, or the budget over the bytes of one block) and in the swap
+        pool (`swap_space` GiB, capped at the device's count: a larger pool could never fill)."""
+        engine = self.config.engine
+        block_bytes = memory.kv_cache_bytes_per_token(self.model_config.args.model_spec(),
+                                                      self.config.kv_cache_dtype) * self.block_size
+        num_gpu_blocks = engine.num_gpu_blocks or self._budget_bytes() // block_bytes
+        if num_gpu_blocks < 1:
+            raise ValueError(f"no room for the KV cache: a budget of {self._budget_bytes()} bytes holds no block of "
+                             f"{block_bytes} bytes; raise gpu_memory_utilization / kv_cache_memory_bytes or set "
+                             f"num_gpu_blocks")
+        num_cpu_blocks = min(int(engine.swap_space * 2**30) // block_bytes, num_gpu_blocks)
+        return KVCacheConfig(int(num_gpu_blocks), int(num_cpu_blocks), block_bytes)
+
+    def _budget_bytes(self) -> int:
+        engine = self.config.engine
+        if self.device.type != "cuda":
+            return engine.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return int(total * engine.gpu_memory_utilization) - self._profile_peak_bytes()
+
+    @torch.inference_mode()
+    def _profile_peak_bytes(self) -> int:
+        """Peak device memory of a forward of max_num_batched_tokens tokens (weights included), on a
+        scratch KV cache just big enough: what the KV cache must leave room for."""
+        n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        num_blocks = cdiv(n, self.block_size)
+        scratch = self._new_kv_cache(num_blocks, 0)
+        chunk = ScheduledChunk(Request("profile", [0] * n, SamplingParams(max_tokens=1)), 0, n, list(range(num_blocks)), True)
+        batch = InputBatch(1, num_blocks)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        model_input = build_model_input([chunk], [batch.add_chunk(chunk)], batch, self.block_size, self.device,
+                                        self.config.engine.kv_cache_dtype, self.config.attention_backend)
+        hidden = self.model(model_input.input_ids, model_input.positions, scratch, model_input.attn_metadata)
+        self.model.compute_logits(hidden)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        return peak
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate the KV tensors and, on CUDA unless enforce_eager, set up decode CUDA graphs."""
+        self.kv_cache = self._new_kv_cache(kv_cache_config.num_gpu_blocks, kv_cache_config.num_cpu_blocks)
+        engine = self.config.engine
+        if self.device.type == "cuda" and not engine.enforce_eager:
+            self.cuda_graphs = DecodeGraphs(self.model, self.kv_cache, engine.max_num_seqs,
+                                            cdiv(self.config.max_model_len, self.block_size), self.device,
+                                            self.config.attention_backend)
+
+    def _new_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> KVCache:
+        args, engine = self.model_config.args, self.config.engine
+        return KVCache(args.num_layers, num_gpu_blocks, self.block_size, args.num_kv_heads, args.head_dim,
+                       self.config.dtype, self.device, engine.kv_cache_dtype, num_cpu_blocks,
+                       engine.calculate_kv_scales)
+
+    # ---- requests --------------------------------------------------------------------------
+    def remove_requests(self, request_ids: list[str]) -> None:
+        """Forget the block tables of finished or aborted requests."""
+        for rid in request_ids:
+            self.input_batch.remove(rid)
+
+    # ---- one step --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
+        """Run one step; returns request_id -> sampled token for every request that emits."""
+        self.kv_cache.swap_out(scheduler_output.swap_out)
+        self.kv_cache.swap_in(scheduler_output.swap_in)
+        self.remove_requests(scheduler_output.preempted_request_ids)
+        if not scheduler_output.scheduled:
+            return {}
+        chunks = sorted(scheduler_output.scheduled, key=lambda c: c.num_tokens != 1)  # decodes first (stable)
+        rows = [self.input_batch.add_chunk(c) for c in chunks]
+        batch = build_model_input(chunks, rows, self.input_batch, self.block_size, self.device,
+                                  self.config.engine.kv_cache_dtype, self.config.attention_backend)
+        hidden = self._forward(batch)
+        if not batch.emitting:  # only mid-prompt chunks this step
+            return {}
+        logits = self.model.compute_logits(hidden)  # the forward returned only the emitting rows
+        tokens = self.sampler(logits, batch.emitting)
+        return {r.request_id: t for r, t in zip(batch.emitting, tokens)}
+
+    def _forward(self, batch: ModelInput) -> torch.Tensor:
+        meta = batch.attn_metadata
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
+            return self.cuda_graphs.run(batch.input_ids, batch.positions, meta)
+        return self.model(batch.input_ids, batch.positions, self.kv_cache, meta)
+
+
+def build_model_input(chunks: list[ScheduledChunk], rows: list[int], input_batch: InputBatch, block_size: int,
+                      device: torch.device, kv_cache_dtype: str, backend: str) -> ModelInput:
+    """The flat batch for `chunks` (single-token chunks first, so attention runs all of them through
+    the decode op at once); sequence i owns rows query_start_loc[i]:query_start_loc[i+1] and its block
+    table is `input_batch` row `rows[i]`."""
+    starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
+    nums = torch.tensor([c.num_tokens for c in chunks], dtype=torch.int64)
+    token_ids: list[int] = []
+    for c in chunks:
+        token_ids += c.token_ids
+    block_tables = input_batch.block_tables(rows)
+    query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int64)
+    torch.cumsum(nums, 0, out=query_start_loc[1:])
+    total = int(query_start_loc[-1])
+    seq_idx = torch.repeat_interleave(torch.arange(len(chunks)), nums)
+    positions = torch.arange(total) - query_start_loc[seq_idx] + starts[seq_idx]
+    slot_mapping = block_tables[seq_idx, positions // block_size].long() * block_size + positions % block_size
+    emits = torch.tensor([c.emits for c in chunks], dtype=torch.bool)
+    emit_seqs = emits.nonzero().flatten()
+    logits_indices = (query_start_loc[1:] - 1)[emit_seqs]
+    every_row_emits = len(emit_seqs) == total
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device), block_tables=block_tables.to(device),
+        seq_lens=(starts + nums).to(device=device, dtype=torch.int32),
+        query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
+        num_decode_seqs=int((nums == 1).sum()), kv_cache_dtype=kv_cache_dtype, backend=backend,
+        output_rows=None if every_row_emits else logits_indices.to(device),
+        output_seqs=None if every_row_emits else emit_seqs.to(device))
+    return ModelInput(torch.tensor(token_ids, dtype=torch.int64, device=device), positions.to(device), meta,
+                      [c.request for c in chunks if c.emits])
