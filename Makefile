@@ -3,25 +3,37 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# Re-install only when the pins (pyproject.toml) change.
+# Re-install only when the pins change: the stamp is named after the hash of pyproject.toml's content
+# (no file prerequisite, so a touch or a checkout that leaves the content alone installs nothing).
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
+ROOT := $(abspath .)
+LAB_DIR ?= labs
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# JupyterLab with the project's settings (jupyter/): $(1) is learner or instructor.
+JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
+	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab test demo bench bench-kernels labs grade clean
+.PHONY: venv lab instructor test demo bench bench-kernels labs grade clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e .
-	rm -f $(VENV)/.installed-*
-	touch $(STAMP)
+$(STAMP):
+	@test -x $(PY) || { echo "make: creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@echo "make: installing the pinned dependencies into $(VENV) (1-2 min the first time; log: $(VENV)/install.log)"
+	@{ $(PY) -m pip install --upgrade pip && $(PY) -m pip install -e . ; } > $(VENV)/install.log 2>&1 \
+		|| { tail -n 25 $(VENV)/install.log; echo "make: pip install failed; the whole log is $(VENV)/install.log"; exit 1; }
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+	@echo "make: $(VENV) is ready"
 
 lab: venv
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir=labs $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
+	$(call JUPYTER,learner) --ServerApp.root_dir=$(LAB_DIR) $(LAB_ARGS)
+
+instructor: venv
+	@mkdir -p .exchange
+	$(call JUPYTER,instructor) --ServerApp.root_dir=. $(LAB_ARGS)
 
 labs: venv
 	$(PY) -m grader labs
