@@ -1,0 +1,135 @@
+/* Paged decode attention on CPU, fp32: one query row per sequence over its cached context.
+ *
+ * Reads the KV blocks in place through the block table (no gather copy). A work item is one
+ * sequence and a run of its KV heads (all of them when there are enough sequences to keep every
+ * thread busy): a block's rows for those heads are contiguous, so the item streams through memory
+ * instead of hopping between heads. Each K and V row is loaded once and used for every query head
+ * of its GQA group. Softmax is online, one block at a time (running max m, sum l, rescaled
+ * accumulator), in fp32. Items go to the OpenMP threads dynamically, since context lengths differ.
+ *
+ * Cache layout [num_blocks, block_size, num_kv_heads, head_dim], contiguous; head_dim must be a
+ * multiple of 8 (checked by the caller). Vectors are GCC vector extensions: 8 floats, which the
+ * compiler maps to AVX (or two SSE/NEON registers), no intrinsics.
+ *
+ * Returns 0, KERNELS_CPU_BAD_BLOCK when a block id a sequence needs lies outside [0, num_blocks), or
+ * KERNELS_CPU_SHORT_TABLE when a sequence needs more blocks than its table row has (nothing is read
+ * there in either case; the caller raises).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define KERNELS_CPU_BAD_BLOCK 1
+#define KERNELS_CPU_SHORT_TABLE 3
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4), may_alias)); /* unaligned loads/stores */
+
+/* Ask for the rows of heads [h0, h1) of every token of a block: blocks sit anywhere in the cache, so
+ * the hardware prefetcher cannot guess the next one. */
+static void prefetch_block(const float *rows, int64_t block_size, int64_t token_stride, int64_t width) {
+    for (int64_t t = 0; t < block_size; t++)
+        for (int64_t x = 0; x < width; x += 16) __builtin_prefetch(rows + t * token_stride + x);
+}
+
+static inline float hsum(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+/* Query heads h0 * group .. h1 * group of one sequence: out and q point at head h0 * group. */
+static int attend_heads(float *out, const float *q, int64_t q_head_stride, const float *key_cache,
+                        const float *value_cache, const int32_t *table, int64_t table_width, int64_t seq_len,
+                        int64_t h0, int64_t h1, int64_t group, int64_t num_kv_heads, int64_t head_dim,
+                        int64_t block_size, int64_t num_blocks, float scale) {
+    const int64_t nq = (h1 - h0) * group, nv = head_dim / 8, token_stride = num_kv_heads * head_dim;
+    v8 qv[nq][nv], acc[nq][nv];
+    float scores[nq][block_size], m[nq], l[nq];
+    for (int64_t i = 0; i < nq; i++) {
+        for (int64_t j = 0; j < nv; j++) {
+            qv[i][j] = ((const v8u *)(q + i * q_head_stride))[j];
+            acc[i][j] = (v8){0};
+        }
+        m[i] = -INFINITY;
+        l[i] = 0.0f;
+    }
+    if (seq_len > table_width * block_size) return KERNELS_CPU_SHORT_TABLE;
+    for (int64_t start = 0; start < seq_len; start += block_size) {
+        const int64_t block = table[start / block_size];
+        if (block < 0 || block >= num_blocks) return KERNELS_CPU_BAD_BLOCK;
+        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
+        const int64_t base = block * block_size * token_stride + h0 * head_dim;
+        if (start + block_size < seq_len) {
+            const int64_t next = table[start / block_size + 1];
+            if (next >= 0 && next < num_blocks) {
+                const int64_t next_base = next * block_size * token_stride + h0 * head_dim;
+                prefetch_block(key_cache + next_base, block_size, token_stride, (h1 - h0) * head_dim);
+                prefetch_block(value_cache + next_base, block_size, token_stride, (h1 - h0) * head_dim);
+            }
+        }
+        for (int64_t t = 0; t < n; t++) {
+            for (int64_t h = 0; h < h1 - h0; h++) {
+                const v8u *k = (const v8u *)(key_cache + base + t * token_stride + h * head_dim);
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t i = h * group + g;
+                    v8 s = qv[i][0] * k[0];
+                    for (int64_t j = 1; j < nv; j++) s += qv[i][j] * k[j];
+                    scores[i][t] = hsum(s) * scale;
+                }
+            }
+        }
+        for (int64_t i = 0; i < nq; i++) {
+            float block_max = scores[i][0];
+            for (int64_t t = 1; t < n; t++) block_max = scores[i][t] > block_max ? scores[i][t] : block_max;
+            const float m_new = block_max > m[i] ? block_max : m[i];
+            const float alpha = expf(m[i] - m_new); /* 0 on the first block, where m = -inf */
+            float sum = 0.0f;
+            for (int64_t t = 0; t < n; t++) {
+                scores[i][t] = expf(scores[i][t] - m_new);
+                sum += scores[i][t];
+            }
+            l[i] = l[i] * alpha + sum;
+            m[i] = m_new;
+            for (int64_t j = 0; j < nv; j++) acc[i][j] *= alpha;
+        }
+        for (int64_t t = 0; t < n; t++) {
+            for (int64_t h = 0; h < h1 - h0; h++) {
+                const v8u *v = (const v8u *)(value_cache + base + t * token_stride + h * head_dim);
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t i = h * group + g;
+                    const float p = scores[i][t];
+                    for (int64_t j = 0; j < nv; j++) acc[i][j] += p * v[j];
+                }
+            }
+        }
+    }
+    for (int64_t i = 0; i < nq; i++) {
+        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+        for (int64_t j = 0; j < nv; j++) ((v8u *)(out + i * head_dim))[j] = acc[i][j] * inv;
+    }
+    return 0;
+}
+
+/* out [num_seqs, num_heads, head_dim] contiguous; query rows at q_seq_stride / q_head_stride (head_dim
+ * contiguous); block_tables [num_seqs, table_width] int32 with row stride table_stride; seq_lens int32;
+ * head_splits: how many runs each sequence's KV heads are cut into (1 .. num_kv_heads). */
+int paged_attention_decode_f32(float *out, const float *query, const float *key_cache, const float *value_cache,
+                               const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                               int64_t num_blocks, int64_t q_seq_stride, int64_t q_head_stride,
+                               int64_t table_stride, int64_t table_width, int64_t head_splits, float scale) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t items = num_seqs * head_splits;
+    int status = 0;
+#pragma omp parallel for schedule(dynamic, 1) if (items > 1)
+    for (int64_t i = 0; i < items; i++) {
+        const int64_t s = i / head_splits, part = i % head_splits;
+        const int64_t h0 = num_kv_heads * part / head_splits, h1 = num_kv_heads * (part + 1) / head_splits;
+        const int rc = attend_heads(out + (s * num_heads + h0 * group) * head_dim,
+                                    query + s * q_seq_stride + h0 * group * q_head_stride, q_head_stride, key_cache,
+                                    value_cache, block_tables + s * table_stride, table_width, seq_lens[s], h0, h1,
+                                    group, num_kv_heads, head_dim, block_size, num_blocks, scale);
+        if (rc) {
+#pragma omp atomic write
+            status = rc;
+        }
+    }
+    return status;
+}
