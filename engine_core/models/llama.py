@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels.cpu
 from engine_core.kv_cache import KVCache
 from engine_core.models.attention import AttentionMetadata, AttentionPlan, LayerKV
 from engine_core.models.linear import Linear
@@ -138,7 +139,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """`fused`: one C call (fp32 CPU rows; kernels.cpu.rms_norm) instead of six ops."""
+        if fused and x.dim() == 2:
+            return kernels.cpu.rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -165,17 +169,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(ckpt.get(f"{prefix}.q_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(ckpt.get(f"{prefix}.k_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, plan: AttentionPlan,
-                residual: torch.Tensor, only_output_rows: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: "Rope", kv_cache: KVCache, plan: AttentionPlan, residual: torch.Tensor,
+                only_output_rows: bool = False) -> torch.Tensor:
         """residual + o_proj(attention). `only_output_rows`: write K/V for every row, compute the
         rest for plan.output_rows only (`residual` is then those rows')."""
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x).view(-1, h + 2 * kvh, d)
         if self.q_norm is None:  # q and k rotate in one pass: [tokens, h + kvh, d]
-            qk = _rope(qkv[:, :h + kvh], cos, sin)
+            qk = rope(qkv[:, :h + kvh])
             q, k = qk[:, :h], qk[:, h:]
         else:
-            q, k = _rope(self.q_norm(qkv[:, :h]), cos, sin), _rope(self.k_norm(qkv[:, h:h + kvh]), cos, sin)
+            q, k = rope(self.q_norm(qkv[:, :h])), rope(self.k_norm(qkv[:, h:h + kvh]))
         v = qkv[:, h + kvh:]
         i = self.layer_idx
         if kv_cache.needs_scales:
@@ -186,10 +190,24 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(-1, h * d), residual)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on `[tokens, heads, head_dim]`; cos/sin are `[tokens, 1, head_dim/2]`."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+class Rope:
+    """One step's rotate-half RoPE on `[tokens, heads, head_dim]`. Fused: the C kernel rotates in
+    place, reading the cos/sin table rows by position itself. Otherwise the PyTorch formula, with
+    the rows gathered once per step (`[tokens, 1, head_dim/2]`)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, fused: bool) -> None:
+        self.fused = fused
+        if fused:
+            self.positions, self.cos, self.sin = positions, cos, sin
+        else:
+            self.cos, self.sin = cos[positions, None], sin[positions, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            kernels.cpu.rotary_embedding(x, self.positions, self.cos, self.sin)
+            return x
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin), dim=-1)
 
 
 class MLP(nn.Module):
@@ -200,9 +218,12 @@ class MLP(nn.Module):
         self.gate_up_proj = _linear(ckpt, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], args.mlp_bias)
         self.down_proj = _linear(ckpt, [f"{prefix}.down_proj"], args.mlp_bias)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + mlp(x)."""
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """residual + mlp(x). `fused`: SiLU-and-mul in one C call (kernels.cpu.silu_and_mul)."""
+        gate_up = self.gate_up_proj(x)
+        if fused:
+            return self.down_proj(kernels.cpu.silu_and_mul(gate_up), residual)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up, residual)
 
 
@@ -215,11 +236,11 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(ckpt.get(f"{p}.post_attention_layernorm.weight"), args.rms_norm_eps)
         self.mlp = MLP(args, ckpt, f"{p}.mlp")
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, plan: AttentionPlan,
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, plan: AttentionPlan, fused: bool,
                 only_output_rows: bool = False) -> torch.Tensor:
         residual = x[plan.output_rows] if only_output_rows else x
-        x = self.attn(self.input_norm(x), cos, sin, kv_cache, plan, residual, only_output_rows)
-        return self.mlp(self.post_attn_norm(x), x)
+        x = self.attn(self.input_norm(x, fused), rope, kv_cache, plan, residual, only_output_rows)
+        return self.mlp(self.post_attn_norm(x, fused), x, fused)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -246,13 +267,15 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
-        cos, sin = self.cos[positions, None], self.sin[positions, None]  # [tokens, 1, head_dim / 2]
         plan = AttentionPlan(attn_metadata, x.device)
+        # The cpu backend's fused elementwise C ops, for fp32 (the exact mode that matches HF)
+        fused = plan.ops.backend == "cpu" and x.dtype == torch.float32
+        rope = Rope(self.cos, self.sin, positions, fused)
         only_output_rows = attn_metadata.output_rows is not None
         for layer in self.layers[:-1]:
-            x = layer(x, cos, sin, kv_cache, plan)
-        x = self.layers[-1](x, cos, sin, kv_cache, plan, only_output_rows)
-        return self.norm(x)
+            x = layer(x, rope, kv_cache, plan, fused)
+        x = self.layers[-1](x, rope, kv_cache, plan, fused, only_output_rows)
+        return self.norm(x, fused)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head_proj(hidden).float()

@@ -1,4 +1,4 @@
-"""Build csrc/*.c into one shared library with the system C compiler, on first use, cached.
+"""Build csrc/*.c (and its headers) into one shared library with the system C compiler, on first use, cached.
 
 Plain C with OpenMP and no torch headers, so a build takes about a second (a torch C++
 extension spends 10-15 s per file parsing headers). The library is cached under
@@ -41,7 +41,7 @@ def compiler() -> str:
 def library_path(cc: str) -> Path:
     """Where the library for these sources, flags, compiler and CPU lives."""
     h = hashlib.sha256()
-    for src in sorted(CSRC.glob("*.c")):
+    for src in sorted(CSRC.iterdir()):  # sources and headers
         h.update(src.name.encode() + src.read_bytes())
     h.update(" ".join(FLAGS).encode())
     h.update(subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.encode())

@@ -115,3 +115,61 @@ def test_without_a_compiler_it_warns_and_uses_the_reference(tmp_path) -> None:
     env.pop("KERNELS_BACKEND", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.startswith("torch |") and "slower PyTorch reference" in out and "no-such-cc" in out, out
+
+
+# The fused elementwise ops against the model's PyTorch formulas, evaluated in float64: the C ops
+# round differently (vectorised sums, their own exp), so the bound is a few fp32 ulps of the result.
+FP32_ULPS = 4 * 2.0**-24
+
+
+def _close(got: torch.Tensor, want64: torch.Tensor, what: str) -> None:
+    err = (got.double() - want64).abs()
+    bound = FP32_ULPS * (want64.abs() + want64.abs().amax(-1, keepdim=True))
+    assert (err <= bound).all(), f"{what}: max |err| {err.max().item():.3g}, bound there {bound.flatten()[err.argmax()]:.3g}"
+
+
+@pytest.mark.parametrize("width", [64, 67])  # 67: a tail past the 8-wide vectors
+@pytest.mark.parametrize("rows", [3, 1100])  # 1100 x 64 >= 65536 elements: the threaded loop
+def test_rms_norm_matches_the_formula(rows: int, width: int) -> None:
+    from engine_core.models.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(rows + width)
+    x = torch.randn(rows, 2 * width, generator=gen)[:, :width] * 3  # strided rows
+    norm = RMSNorm(torch.randn(width, generator=gen), 1e-6)
+    want = RMSNorm(norm.weight.double(), 1e-6)(x.double())
+    _close(cpu.rms_norm(x, norm.weight, 1e-6), want, f"rms_norm {rows}x{width}")
+    _close(norm(x, fused=True), want, "RMSNorm(fused=True)")
+
+
+@pytest.mark.parametrize("shape", [(5, 12), (300, 256)])  # a tail; the threaded loop
+def test_silu_and_mul_matches_the_formula(shape: tuple[int, int]) -> None:
+    rows, d = shape
+    x = torch.randn(rows, 2 * d, generator=torch.Generator().manual_seed(0)) * 6
+    x[0, :4] = torch.tensor([-100.0, -87.5, 0.0, 90.0])  # past exp's cut-offs both ways
+    x64 = x.double()
+    want = torch.nn.functional.silu(x64[:, :d]) * x64[:, d:]
+    _close(cpu.silu_and_mul(x), want, f"silu_and_mul {shape}")
+
+
+@pytest.mark.parametrize("head_dim", [16, 20])  # 20: half 10, a tail past the 8-wide vectors
+def test_rotary_embedding_rotates_in_place_like_the_formula(head_dim: int) -> None:
+    from engine_core.models.llama import Rope
+
+    gen = torch.Generator().manual_seed(head_dim)
+    tokens, heads = 7, 3
+    cos, sin = torch.randn(50, head_dim // 2, generator=gen), torch.randn(50, head_dim // 2, generator=gen)
+    positions = torch.randint(0, 50, (tokens,), generator=gen)
+    qkv = torch.randn(tokens, heads + 2, head_dim, generator=gen)
+    x = qkv[:, :heads]  # a strided view, as in the model
+    want = Rope(cos.double(), sin.double(), positions, fused=False)(x.double())
+    untouched = qkv[:, heads:].clone()
+    assert Rope(cos, sin, positions, fused=True)(x) is x
+    _close(x, want, f"rotary_embedding head_dim={head_dim}")
+    assert torch.equal(qkv[:, heads:], untouched)
+    with pytest.raises(IndexError, match="outside the RoPE tables"):
+        cpu.rotary_embedding(x, positions + 50, cos, sin)
+
+
+def test_elementwise_ops_refuse_other_dtypes() -> None:
+    with pytest.raises(ValueError, match="fp32 CPU tensors"):
+        cpu.silu_and_mul(torch.randn(2, 8, dtype=torch.float64))
