@@ -32,9 +32,10 @@ CATEGORIES = {  # profiler event name -> category; anything else is "other ATen 
     "decode attention": ("kernels.cpu.paged_attention_decode", "aten::_scaled_dot_product_flash_attention_for_cpu",
                          "aten::index_select"),
     "KV cache write": ("kernels.cpu.reshape_and_cache", "aten::_index_put_impl_"),
-    "elementwise (norms, RoPE, SiLU, adds)": ("aten::mul", "aten::add", "aten::sub", "aten::silu", "aten::rsqrt",
-                                              "aten::pow", "aten::mean", "aten::cat", "aten::embedding",
-                                              "aten::index", "aten::copy_"),
+    "elementwise (norms, RoPE, SiLU, adds)": ("kernels.cpu.rms_norm", "kernels.cpu.silu_and_mul",
+                                              "kernels.cpu.rotary_embedding", "aten::mul", "aten::add", "aten::sub",
+                                              "aten::silu", "aten::rsqrt", "aten::pow", "aten::mean", "aten::cat",
+                                              "aten::embedding", "aten::index", "aten::copy_"),
     "sampling": ("aten::argmax", "aten::softmax", "aten::_softmax", "aten::topk", "aten::multinomial"),
 }
 

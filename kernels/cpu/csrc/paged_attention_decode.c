@@ -11,7 +11,7 @@
  * P = exp(S - m_new), 8 at a time (exp8 in vec8.h); then acc_i += P[i] V,
  * keeping acc_i's 8-float chunk in a register while it runs down the block's V rows. head_dim is
  * a multiple of 8 (the caller checks), specialised at compile time for 16, 32, 64 and 128 so the
- * loops over it unroll.
+ * loops over it unroll. The next block's rows are prefetched while a block computes.
  *
  * Cache layout [num_blocks, block_size, num_kv_heads, head_dim], contiguous. Returns 0,
  * KERNELS_CPU_BAD_BLOCK when a block id a sequence needs lies outside [0, num_blocks), or
@@ -25,13 +25,6 @@
 
 #define KERNELS_CPU_BAD_BLOCK 1
 #define KERNELS_CPU_SHORT_TABLE 3
-
-/* Blocks sit anywhere in the cache, so the hardware prefetcher cannot guess the next one: ask for
- * its rows of heads [h0, h1) while this block computes. */
-static inline void prefetch_block(const float *rows, int64_t block_size, int64_t token_stride, int64_t width) {
-    for (int64_t t = 0; t < block_size; t++)
-        for (int64_t x = 0; x < width; x += 16) __builtin_prefetch(rows + t * token_stride + x);
-}
 
 /* Query heads h0 * group .. h1 * group of one sequence (out and q point at head h0 * group); nv =
  * head_dim / 8. */
@@ -58,15 +51,16 @@ static inline __attribute__((always_inline)) int attend_heads(
         if (block < 0 || block >= num_blocks) return KERNELS_CPU_BAD_BLOCK;
         const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
         const int64_t base = block * block_size * token_stride + h0 * head_dim;
-        if (start + block_size < seq_len) {
-            const int64_t next = table[start / block_size + 1];
-            if (next >= 0 && next < num_blocks) {
-                const int64_t next_base = next * block_size * token_stride + h0 * head_dim;
-                prefetch_block(key_cache + next_base, block_size, token_stride, nh * head_dim);
-                prefetch_block(value_cache + next_base, block_size, token_stride, nh * head_dim);
-            }
-        }
+        /* Blocks sit anywhere in the cache, so the hardware prefetcher cannot guess the next one: ask
+         * for its rows of heads [h0, h1) a token at a time while this block's scores compute. */
+        const int64_t next = start + block_size < seq_len ? table[start / block_size + 1] : -1;
+        const int64_t next_base = next >= 0 && next < num_blocks ? next * block_size * token_stride + h0 * head_dim : -1;
         for (int64_t t = 0; t < n; t++) {
+            if (next_base >= 0)
+                for (int64_t x = 0; x < nh * head_dim; x += 16) {
+                    __builtin_prefetch(key_cache + next_base + t * token_stride + x);
+                    __builtin_prefetch(value_cache + next_base + t * token_stride + x);
+                }
             for (int64_t h = 0; h < nh; h++) {
                 const v8u *k = (const v8u *)(key_cache + base + t * token_stride + h * head_dim);
                 for (int64_t g = 0; g < group; g++) {
