@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     for i, (p, n) in enumerate(zip(w.prompts, w.output_lens)):
         engine.add_request(f"p{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     steps: list[tuple[float, int, int]] = []  # (wall s, tokens, sequences)
-    prof, profiled, profiled_wall = None, 0, 0.0
+    prof, events, profiled, profiled_wall, profiled_rows = None, None, 0, 0.0, 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         if prof is None and profiled == 0 and steps and steps[-1][1] == steps[-1][2] > 1:  # decode-only from here
@@ -104,9 +104,14 @@ def main(argv: list[str] | None = None) -> None:
             continue  # profiled steps run slower: keep them out of the rates
         steps.append((dt, tokens, s.num_seqs))
     total = time.perf_counter() - start
+    if prof is not None:  # the run ended inside the window
+        prof.__exit__(None, None, None)
+        events, profiled_rows = prof.key_averages(), engine.last_step.num_seqs
     decode = [x for x in steps if x[1] == x[2]]
     print(f"{len(steps) + profiled} steps in {total:.2f} s; {len(decode)} decode-only steps (unprofiled) take "
           f"{sum(x[0] for x in decode):.2f} s, {100 * sum(x[0] for x in decode) / total:.0f}% of the run")
+    if events is None:
+        raise SystemExit("no decode-only step with more than one sequence to profile: use more requests")
     _print_split(events, profiled, profiled_wall, profiled_rows)
     linears = decode_step_linears(engine)
     rows = int(statistics.median(x[2] for x in decode))

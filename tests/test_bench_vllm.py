@@ -1,4 +1,5 @@
-"""engine_core.bench_vllm without vLLM: the driver protocol (through a stand-in driver) and the report."""
+"""engine_core.bench_vllm without vLLM (the driver protocol through a stand-in driver, the report), and a
+smoke run of engine_core.profile_steps."""
 from __future__ import annotations
 
 import sys
@@ -41,3 +42,13 @@ def test_report_gives_medians_spreads_loads_and_agreement(capsys) -> None:
     assert "| vLLM CPU | 2.0 | 1.0-4.0 | 1.00, 1.50, 2.00 |" in text
     assert "engine / vLLM CPU: 2.00x" in text and "engine / HF best (HF generate, batch 32): 4.00x" in text
     assert r["vllm_identical_requests"] == 1 and "1/2 requests identical, 75.0% of tokens" in text
+
+
+def test_profile_steps_prints_the_split_and_the_gemm_rates(capsys) -> None:
+    from engine_core import profile_steps
+
+    profile_steps.main(["--model", "tiny-llama", "--num-requests", "6", "--input-len", "4:20", "--output-len", "8:12",
+                        "--profile-steps", "3"])
+    text = capsys.readouterr().out
+    assert "| GEMM (linear layers) |" in text and "| decode attention |" in text and "Python and dispatch" in text
+    assert "oneDNN packed (engine):" in text and "% of the machine's best rate at" in text
