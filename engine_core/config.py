@@ -14,7 +14,7 @@ from kernels.reference import FP8_DTYPE
 
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
-_ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 _DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
