@@ -9,7 +9,8 @@ The members differ in a few switches, all read from config.json:
 
 Weights are fused at load time (q|k|v into one matmul, gate|up into another): fewer, larger
 GEMMs. The forward takes the batch metadata explicitly: `forward(input_ids, positions, kv_cache,
-attn_metadata)` over one flat varlen batch of tokens.
+attn_metadata)` over one flat varlen batch of tokens. Every projection goes through
+`models.lora.lora_linear`: the GEMM, plus each row's LoRA delta when the step has adapters.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from engine_core.worker.kv_cache import KVCache
 from engine_core.models.attention import AttentionMetadata, attend, attend_output_rows, write_kv
 from engine_core.models.config import LlamaArgs
 from engine_core.models.loader import CheckpointReader
+from engine_core.models.lora import LoRAMapping, LoRAStack, lora_linear
 
 
 def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
@@ -75,12 +77,16 @@ class Attention(nn.Module):
         self.o_bias = _param(ckpt.get(f"{prefix}.o_proj.bias")) if args.o_bias else None
         self.q_norm = RMSNorm(ckpt.get(f"{prefix}.q_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(ckpt.get(f"{prefix}.k_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
+        self.qkv_lora: LoRAStack | None = None  # slot weights, set when the engine serves LoRA
+        self.o_lora: LoRAStack | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, only_output_rows: bool = False) -> torch.Tensor:
         """`only_output_rows`: write K/V for every row, return results for meta.output_rows only."""
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(-1, h + 2 * kvh, d)
+        lora = meta.lora
+        qkv = lora_linear(x, self.qkv_weight, self.qkv_bias, self.qkv_lora, lora and lora.all_rows)
+        qkv = qkv.view(-1, h + 2 * kvh, d)
         q, k, v = qkv.split([h, kvh, kvh], dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -91,7 +97,8 @@ class Attention(nn.Module):
         cache = (kv_cache.key[i], kv_cache.value[i], kv_cache.k_scale[i], kv_cache.v_scale[i])
         write_kv(k, v, *cache, meta)
         out = (attend_output_rows if only_output_rows else attend)(q, *cache, meta, self.scale)
-        return F.linear(out.reshape(-1, h * d), self.o_weight, self.o_bias)
+        return lora_linear(out.reshape(-1, h * d), self.o_weight, self.o_bias, self.o_lora,
+                           lora and lora.rows(only_output_rows))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -111,10 +118,12 @@ class MLP(nn.Module):
         self.gate_up_bias = _param(torch.cat([ckpt.get(f"{n}.bias") for n in gate_up])) if args.mlp_bias else None
         self.down_weight = _param(ckpt.get(f"{prefix}.down_proj.weight"))
         self.down_bias = _param(ckpt.get(f"{prefix}.down_proj.bias")) if args.mlp_bias else None
+        self.gate_up_lora: LoRAStack | None = None  # slot weights, set when the engine serves LoRA
+        self.down_lora: LoRAStack | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+    def forward(self, x: torch.Tensor, lora: LoRAMapping | None = None) -> torch.Tensor:
+        gate, up = lora_linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_lora, lora).chunk(2, dim=-1)
+        return lora_linear(F.silu(gate) * up, self.down_weight, self.down_bias, self.down_lora, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -130,7 +139,7 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata, only_output_rows: bool = False) -> torch.Tensor:
         attn = self.attn(self.input_norm(x), cos, sin, kv_cache, meta, only_output_rows)
         x = (x[meta.output_rows] if only_output_rows else x) + attn
-        return x + self.mlp(self.post_attn_norm(x))
+        return x + self.mlp(self.post_attn_norm(x), meta.lora and meta.lora.rows(only_output_rows))
 
 
 class LlamaForCausalLM(nn.Module):
