@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv lab test demo bench bench-kernels labs grade clean
+.PHONY: venv lab test demo bench bench-kernels bench-lora bench-lora-gpu labs grade clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,15 @@ bench: venv
 
 bench-kernels: venv
 	$(PY) -m kernels.bench
+
+# Multi-LoRA throughput table (docs/lora.md): CPU (one thread: steadier on a shared machine), small-llama;
+# the GPU line prints why it skips where there is no GPU.
+bench-lora: venv
+	$(PY) -m engine_core.lora.bench --model small-llama --num-requests 32 --input-len 8:64 --output-len 8:32 --threads 1
+
+bench-lora-gpu: venv
+	$(PY) -m engine_core.lora.bench --device cuda --model qwen3-0.6b-shape --num-requests 256 \
+		--input-len 64:512 --output-len 64:256
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

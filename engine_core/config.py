@@ -87,7 +87,8 @@ class EngineConfig:
         _need(isinstance(self.max_loras, int) and self.max_loras >= 1, "max_loras", "an int >= 1", self.max_loras)
         _need(isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1, "max_lora_rank", "an int >= 1", self.max_lora_rank)
         _need(isinstance(self.enable_lora, bool), "enable_lora", "a bool", self.enable_lora)
-        _need(self.max_cpu_loras is None or (isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= self.max_loras),
+        _need(self.max_cpu_loras is None
+              or (isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= self.max_loras),
               "max_cpu_loras", f"None or an int >= max_loras={self.max_loras}", self.max_cpu_loras)
         _need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
               "tensor_parallel_size", "an int >= 1", self.tensor_parallel_size)

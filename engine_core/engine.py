@@ -85,7 +85,8 @@ class LLMEngine:
             raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
         if self.runner.lora is None:
             raise ValueError(f"lora_request {lora_request.lora_name!r} given, but the engine was built with "
-                             f"enable_lora=False; pass enable_lora=True (with max_loras, max_lora_rank) to serve adapters")
+                             f"enable_lora=False; pass enable_lora=True (with max_loras, max_lora_rank) to serve "
+                             f"adapters")
         self.runner.lora.add_lora(lora_request)
         return lora_request.lora_int_id
 

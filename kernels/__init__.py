@@ -74,7 +74,8 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
 
 
 # ---- multi-LoRA (Punica's SGMV / BGMV; contracts in kernels.lora_reference) ------------------------------
-def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, row_slots: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, row_slots: torch.Tensor, *,
+                backend: str = "auto") -> torch.Tensor:
     """t[i] = x[i] @ lora_a[row_slots[i]].T in float32 (0 where the slot is -1): decode rows."""
     if resolve_backend(backend, x.device) == "torch":
         return lora_reference.bgmv_shrink(x, lora_a, row_slots)

@@ -20,7 +20,8 @@ def _rows_by_slot(row_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
 
 def _segments(seg_starts: torch.Tensor, seg_slots: torch.Tensor) -> list[tuple[int, int, int]]:
     starts = seg_starts.tolist()
-    return [(s, starts[j], starts[j + 1]) for j, s in enumerate(seg_slots.tolist()) if s >= 0 and starts[j + 1] > starts[j]]
+    return [(s, starts[j], starts[j + 1]) for j, s in enumerate(seg_slots.tolist())
+            if s >= 0 and starts[j + 1] > starts[j]]
 
 
 def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:

@@ -89,5 +89,6 @@ def _as_lora_list(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: in
         return [lora] * n
     lora = list(lora)
     if len(lora) != n:
-        raise ValueError(f"lora_request must be one LoRARequest, None, or a list of {n} (one per prompt), got {len(lora)}")
+        raise ValueError(f"lora_request must be one LoRARequest, None, or a list of {n} (one per prompt), "
+                         f"got {len(lora)}")
     return lora

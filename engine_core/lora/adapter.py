@@ -105,7 +105,9 @@ def _read_weights(folder: Path, where: str, rank: int, args: LlamaArgs,
                   dtype: torch.dtype) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     path = folder / WEIGHTS_FILE
     if not path.is_file():
-        hint = " (only safetensors is read: save with safe_serialization=True)" if (folder / "adapter_model.bin").is_file() else ""
+        hint = ""
+        if (folder / "adapter_model.bin").is_file():
+            hint = " (only safetensors is read: save with safe_serialization=True)"
         raise ValueError(f"{where}: missing {WEIGHTS_FILE}{hint}")
     shapes = module_shapes(args)
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}

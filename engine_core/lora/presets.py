@@ -14,11 +14,13 @@ measures both).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from engine_core.presets import PRESET_VERSION, PRESETS, build_once, cache_root, preset_path
 
@@ -58,14 +60,23 @@ def adapter_path(model: str, adapter: str, seed: int = 0) -> Path:
     return build_once(target, "adapter_config.json", lambda out: build_adapter(model, adapter, seed, out))
 
 
+@functools.lru_cache(maxsize=1)
+def _base_model(model: str) -> Any:
+    """The preset's HF model, loaded once per process: building 64 adapters of a large preset
+    (the GPU benchmark) would otherwise reload it 64 times."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(preset_path(model), dtype=torch.float32)
+
+
 def build_adapter(model: str, adapter: str, seed: int, out_dir: Path) -> None:
     """Write `adapter_config.json` + `adapter_model.safetensors` with peft's `save_pretrained`."""
     import peft
     import torch
-    import transformers
 
     spec = ADAPTER_PRESETS[adapter]
-    base = transformers.AutoModelForCausalLM.from_pretrained(preset_path(model), dtype=torch.float32)
+    base = _base_model(model)
     config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.lora_alpha, target_modules=list(spec.target_modules),
                              use_rslora=spec.use_rslora, lora_dropout=0.0)
     lora_model = peft.get_peft_model(base, config)
@@ -77,6 +88,7 @@ def build_adapter(model: str, adapter: str, seed: int, out_dir: Path) -> None:
             elif ".lora_B." in name:  # [out, r]
                 p.copy_(torch.randn(p.shape, generator=gen) * spec.gain / (spec.scaling * p.shape[1] ** 0.5))
     lora_model.save_pretrained(out_dir)
+    lora_model.unload()  # the cached base model, without LoRA layers again
     # peft writes target_modules in set order and the base model's local path: make the file
     # byte-identical across builds and machines.
     path = out_dir / "adapter_config.json"
