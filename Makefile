@@ -45,7 +45,8 @@ bench-kernels: venv
 # Multi-LoRA throughput table (docs/lora.md): CPU (one thread: steadier on a shared machine), small-llama;
 # the GPU line prints why it skips where there is no GPU.
 bench-lora: venv
-	$(PY) -m engine_core.lora.bench --model small-llama --num-requests 32 --input-len 8:64 --output-len 8:32 --threads 1
+	$(PY) -m engine_core.lora.bench --model small-llama --num-requests 32 --input-len 8:64 --output-len 8:32 --threads 1 \
+		--repeats 2
 
 bench-lora-gpu: venv
 	$(PY) -m engine_core.lora.bench --device cuda --model qwen3-0.6b-shape --num-requests 256 \

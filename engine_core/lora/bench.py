@@ -8,7 +8,9 @@ at a time (merge and unmerge included); plus adapter load times, disk -> host an
         --input-len 64:512 --output-len 64:256            # GPU (make bench-lora-gpu)
 
 Every side gets the same prompts, output lengths (greedy, ignore_eos) and adapter assignment;
-output tokens/s = the sum of requested output lengths over wall time. The unmerged rows use
+output tokens/s = the sum of requested output lengths over wall time, with each side's ratio to
+the base model by wall time and by this process's CPU time (steadier on a shared machine, with
+one thread); `--repeats` takes medians. The unmerged rows use
 max_loras = the number of adapters (capped by --max-loras), all adapters preloaded into the host
 cache (`add_lora`), so the table measures serving, not disk reads; load times are measured apart.
 """
@@ -19,6 +21,7 @@ import random
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -27,6 +30,7 @@ from engine_core.engine import LLMEngine
 from engine_core.lora.adapter import LoRAAdapter, load_adapter
 from engine_core.lora.presets import adapter_path
 from engine_core.lora.request import LoRARequest
+from engine_core.models.config import ModelConfig
 from engine_core.models.llama import LlamaForCausalLM
 from engine_core.models.lora import FUSED_MODULES, module_shapes
 from engine_core.request import SamplingParams
@@ -101,6 +105,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="runs of every side; medians reported")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("skipped: --device cuda but this machine has no CUDA device (run it where a GPU is lent)")
@@ -108,20 +113,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if a.threads:
         torch.set_num_threads(a.threads)
     counts = [int(n) for n in a.num_adapters.split(",")]
-    common = dict(device=a.device, max_num_seqs=256, max_num_batched_tokens=2048)
-    if a.device == "cpu":
-        common["kv_cache_memory_bytes"] = 2**30
+    vocab_size = ModelConfig.load(a.model).args.vocab_size
+    w = make_workload(a.num_requests, parse_range(a.input_len), parse_range(a.output_len), vocab_size, a.seed)
+    # KV blocks for the whole workload at once, sized explicitly: several engines share the device
+    blocks = sum(-(-(len(p) + n) // 16) for p, n in zip(w.prompts, w.output_lens)) + 64
+    common = dict(device=a.device, max_num_seqs=256, max_num_batched_tokens=2048, block_size=16,
+                  num_gpu_blocks=blocks)
     base = LLMEngine.from_kwargs(a.model, **common)
-    w = make_workload(a.num_requests, parse_range(a.input_len), parse_range(a.output_len), base.vocab_size, a.seed)
     folders = [str(adapter_path(a.model, a.adapter, seed)) for seed in range(max(counts))]
     requests = [LoRARequest(f"{a.adapter}-s{k}", k + 1, f) for k, f in enumerate(folders)]
-    warm = make_workload(4, (8, 16), (2, 4), base.vocab_size, a.seed + 1)
-    serve(base, warm, [None] * 4, "warm")
+    serve(base, w, [None] * len(w.prompts), "warm")  # untimed: first-use costs (allocator, kernels) out
     print(f"model {a.model} on {a.device}, adapter {a.adapter}, {a.num_requests} requests, input {a.input_len}, "
           f"output {a.output_len} ({w.num_output_tokens} output tokens), Zipf alpha {a.zipf_alpha}, "
           f"threads {torch.get_num_threads()}", flush=True)
     tokens = w.num_output_tokens
-    base_s = serve(base, w, [None] * len(w.prompts), "base")
+    base_s = _median(a.repeats, lambda: serve(base, w, [None] * len(w.prompts), "base"))
     rows = [dict(adapters=0, base=base_s)]
     print(f"base model alone: {_rate(tokens, base_s)}", flush=True)
     adapters: list[LoRAAdapter] = []
@@ -130,21 +136,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
         t0 = time.perf_counter()
         adapters.append(load_adapter(r, base.model_config.args, 64, base.config.dtype))
         disk_ms.append((time.perf_counter() - t0) * 1e3)
+    slot_ms = 0.0
     for n in counts:
         assignment = zipf_assignment(len(w.prompts), n, a.zipf_alpha, a.seed)
         engine = LLMEngine.from_kwargs(a.model, enable_lora=True, max_loras=min(n, a.max_loras), max_cpu_loras=n,
                                        max_lora_rank=max(ad.rank for ad in adapters), **common)
         for r in requests[:n]:
             engine.add_lora(r)
-        serve(engine, warm, [requests[0]] * 4, "warm")
-        unmerged_s = serve(engine, w, [requests[k] for k in assignment], f"lora{n}")
-        merged_s = serve_merged(base, w, assignment, adapters)
+        serve(engine, w, [requests[k] for k in assignment], "warm")
+        unmerged_s = _median(a.repeats, lambda: serve(engine, w, [requests[k] for k in assignment], f"lora{n}"))
+        merged_s = _median(a.repeats, lambda: serve_merged(base, w, assignment, adapters))
         rows.append(dict(adapters=n, distinct=len(set(assignment)), unmerged=unmerged_s, merged=merged_s))
         print(f"{n:3d} adapters ({len(set(assignment))} used): unmerged {_rate(tokens, unmerged_s)}; "
               f"merged one at a time {_rate(tokens, merged_s)}", flush=True)
-    slot_ms = _slot_load_ms(engine, adapters[: min(8, len(adapters))])
+        slot_ms = _slot_load_ms(engine, adapters[: min(8, n)])
+        del engine  # free its device memory before the next one
     print(_markdown(rows, tokens, statistics.median(disk_ms), slot_ms, adapters[0]))
     return rows
+
+
+def _median(repeats: int, run: Callable[[], tuple[float, float]]) -> tuple[float, float]:
+    """Medians of wall and CPU seconds over `repeats` runs."""
+    times = [run() for _ in range(repeats)]
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
 
 def _rate(tokens: int, seconds: tuple[float, float]) -> str:
