@@ -15,7 +15,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab instructor test demo bench bench-vllm bench-kernels labs grade clean
+.PHONY: venv lab instructor test demo bench bench-vllm bench-kernels bench-lora bench-lora-gpu labs grade clean
 
 venv: $(STAMP)
 
@@ -69,6 +69,16 @@ bench-vllm: venv $(VLLM_STAMP)
 
 bench-kernels: venv
 	$(PY) -m kernels.bench
+
+# Multi-LoRA throughput table (docs/lora.md): CPU (one thread: steadier on a shared machine), small-llama;
+# the GPU line prints why it skips where there is no GPU.
+bench-lora: venv
+	$(PY) -m engine_core.lora.bench --model small-llama --num-requests 32 --input-len 8:64 --output-len 8:32 --threads 1 \
+		--repeats 2
+
+bench-lora-gpu: venv
+	$(PY) -m engine_core.lora.bench --device cuda --model qwen3-0.6b-shape --num-requests 256 \
+		--input-len 64:512 --output-len 64:256
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -2,6 +2,7 @@
 from engine_core.config import EngineConfig
 from engine_core.engine import LLMEngine
 from engine_core.entrypoints.llm import LLM
+from engine_core.lora.request import LoRARequest
 from engine_core.request import RequestOutput, SamplingParams
 
-__all__ = ["EngineConfig", "LLM", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["EngineConfig", "LLM", "LLMEngine", "LoRARequest", "RequestOutput", "SamplingParams"]

@@ -49,8 +49,13 @@ class EngineConfig:
     swap_bandwidth_bytes_per_s: float | None = None
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
+    # Multi-LoRA (engine_core/lora): max_loras GPU slots, ranks up to max_lora_rank, a host cache of
+    # max_cpu_loras loaded adapters (None: max_loras). Like vLLM, the three are accepted and ignored
+    # without enable_lora; a request with a lora_request is then an error.
+    enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     tensor_parallel_size: int = 1
     device: str = "auto"
     dtype: str = "auto"
@@ -81,6 +86,10 @@ class EngineConfig:
         _need(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype", f"one of {_KV_CACHE_DTYPES}", self.kv_cache_dtype)
         _need(isinstance(self.max_loras, int) and self.max_loras >= 1, "max_loras", "an int >= 1", self.max_loras)
         _need(isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1, "max_lora_rank", "an int >= 1", self.max_lora_rank)
+        _need(isinstance(self.enable_lora, bool), "enable_lora", "a bool", self.enable_lora)
+        _need(self.max_cpu_loras is None
+              or (isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= self.max_loras),
+              "max_cpu_loras", f"None or an int >= max_loras={self.max_loras}", self.max_cpu_loras)
         _need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
               "tensor_parallel_size", "an int >= 1", self.tensor_parallel_size)
         _need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),

@@ -15,6 +15,7 @@ from typing import Any
 from engine_core.config import EngineConfig, KVCacheConfig, ResolvedConfig
 from engine_core.core.cost_model import PreemptionCostModel
 from engine_core.core.scheduler import Scheduler
+from engine_core.lora.request import LoRARequest
 from engine_core.metrics import StepInfo
 from engine_core.models.config import ModelConfig
 from engine_core.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
@@ -46,8 +47,10 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> Request:
-        """Validate, then queue. Raises ValueError naming the parameter; nothing changes on error."""
+                    priority: int = 0, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> Request:
+        """Validate, then queue. Raises ValueError naming the parameter; nothing changes on error
+        (an adapter folder checked on the way stays in the host cache, a cache of good folders)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self.requests:
@@ -60,14 +63,32 @@ class LLMEngine:
         if len(token_ids) + 1 > limit:
             raise ValueError(f"prompt has {len(token_ids)} tokens; with the first generated token it must fit "
                              f"max_model_len={limit}, so at most {limit - 1} prompt tokens are allowed")
+        lora_id = self._check_lora(lora_request)
         eos = self.model_config.eos_token_ids
         if not params.ignore_eos and len(eos) > 1:  # extra EOS ids stop like stop tokens
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + list(eos[1:]))
         request = Request(request_id, token_ids, params, eos_token_id=eos[0] if eos else None,
-                          arrival_time=arrival_time, priority=priority)
+                          arrival_time=arrival_time, priority=priority, lora_id=lora_id)
         self.scheduler.add_request(request)  # may reject (never fits the KV cache) before queuing
         self.requests[request_id] = (request, prompt if isinstance(prompt, str) else None)
         return request
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """vLLM's `add_lora`: check an adapter folder and load it into the host cache ahead of its requests."""
+        self._check_lora(lora_request)
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> int | None:
+        """The adapter's id once its folder passed every check (see engine_core.lora.adapter)."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
+        if self.runner.lora is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r} given, but the engine was built with "
+                             f"enable_lora=False; pass enable_lora=True (with max_loras, max_lora_rank) to serve "
+                             f"adapters")
+        self.runner.lora.add_lora(lora_request)
+        return lora_request.lora_int_id
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

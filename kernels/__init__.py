@@ -1,10 +1,12 @@
-"""Attention and cache ops with one contract and three backends.
+"""Attention, cache and multi-LoRA ops with one contract and three backends.
 
 - `torch`: the PyTorch reference (`kernels.reference`), the semantics every other backend is
   tested against;
 - `cpu`: C kernels for CPU tensors (`kernels.cpu`: decode attention read in place, the cache
   write), built with the system compiler on first use; cases they do not cover run the reference;
 - `triton`: the Triton kernels (CUDA, or CPU tensors under the interpreter).
+The multi-LoRA ops (SGMV / BGMV, contracts in `kernels.lora_reference`) have a reference and a Triton
+version; the `cpu` backend runs their reference.
 
 `auto` picks `triton` for CUDA tensors and `cpu` for CPU ones (`torch` if the C kernels cannot
 be built: a warning says why). A call or `KERNELS_BACKEND=torch|cpu|triton` in the environment
@@ -23,10 +25,10 @@ from typing import Callable
 
 import torch
 
-from kernels import reference
+from kernels import lora_reference, reference
 
-__all__ = ["AttentionOps", "attention_ops", "paged_attention", "paged_attention_decode", "reshape_and_cache",
-           "resolve_backend"]
+__all__ = ["AttentionOps", "attention_ops", "bgmv_expand", "bgmv_shrink", "paged_attention", "paged_attention_decode",
+           "reshape_and_cache", "resolve_backend", "sgmv_expand", "sgmv_shrink"]
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
@@ -107,3 +109,40 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
     """One query row per sequence over its whole context; `num_splits > 1` is flash-decoding."""
     return attention_ops(backend, query.device).paged_attention_decode(query, key_cache, value_cache, block_tables,
                                                                        seq_lens, scale, k_scale, v_scale, num_splits)
+
+
+# ---- multi-LoRA (Punica's SGMV / BGMV; contracts in kernels.lora_reference) ------------------------------
+def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, row_slots: torch.Tensor, *,
+                backend: str = "auto") -> torch.Tensor:
+    """t[i] = x[i] @ lora_a[row_slots[i]].T in float32 (0 where the slot is -1): decode rows."""
+    if resolve_backend(backend, x.device) != "triton":
+        return lora_reference.bgmv_shrink(x, lora_a, row_slots)
+    from kernels.triton.lora import bgmv_shrink as triton_op
+    return triton_op(x, lora_a, row_slots)
+
+
+def bgmv_expand(y: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, row_slots: torch.Tensor,
+                scaling: torch.Tensor, *, backend: str = "auto") -> None:
+    """y[i] += scaling[s] * t[i] @ lora_b[s].T for s = row_slots[i] >= 0, in place: decode rows."""
+    if resolve_backend(backend, y.device) != "triton":
+        return lora_reference.bgmv_expand(y, t, lora_b, row_slots, scaling)
+    from kernels.triton.lora import bgmv_expand as triton_op
+    return triton_op(y, t, lora_b, row_slots, scaling)
+
+
+def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor,
+                max_seg_len: int, *, backend: str = "auto") -> torch.Tensor:
+    """bgmv_shrink for segments of rows sharing a slot (rows seg_starts[j]:seg_starts[j+1]): prefill chunks."""
+    if resolve_backend(backend, x.device) != "triton":
+        return lora_reference.sgmv_shrink(x, lora_a, seg_starts, seg_slots, max_seg_len)
+    from kernels.triton.lora import sgmv_shrink as triton_op
+    return triton_op(x, lora_a, seg_starts, seg_slots, max_seg_len)
+
+
+def sgmv_expand(y: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, seg_starts: torch.Tensor,
+                seg_slots: torch.Tensor, max_seg_len: int, scaling: torch.Tensor, *, backend: str = "auto") -> None:
+    """bgmv_expand for segments of rows sharing a slot: prefill chunks."""
+    if resolve_backend(backend, y.device) != "triton":
+        return lora_reference.sgmv_expand(y, t, lora_b, seg_starts, seg_slots, max_seg_len, scaling)
+    from kernels.triton.lora import sgmv_expand as triton_op
+    return triton_op(y, t, lora_b, seg_starts, seg_slots, max_seg_len, scaling)

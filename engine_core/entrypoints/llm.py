@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from engine_core.engine import LLMEngine
+from engine_core.lora.request import LoRARequest
 from engine_core.request import RequestOutput, SamplingParams
 
 Prompt = str | list[int]
@@ -22,17 +23,20 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+                 | None = None, use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order. Prompts are strings or token-id lists (mixed
-        is fine); one SamplingParams for all, or one per prompt. Every prompt is validated before any is
-        queued: a ValueError leaves the engine as it was."""
+        is fine); one SamplingParams for all, or one per prompt; likewise one LoRARequest (or None: the
+        base model) for all, or one per prompt. Every prompt is validated before any is queued: a
+        ValueError leaves the engine as it was."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
+        loras = _as_lora_list(lora_request, len(prompts))
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         added: list[str] = []
         try:
-            for rid, prompt, sp in zip(ids, prompts, params):
-                self.engine.add_request(rid, prompt, sp)
+            for rid, prompt, sp, lora in zip(ids, prompts, params, loras):
+                self.engine.add_request(rid, prompt, sp, lora_request=lora)
                 added.append(rid)
         except ValueError as e:
             for rid in added:
@@ -78,3 +82,13 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
         raise ValueError(f"sampling_params must be one SamplingParams or a list of {n} (one per prompt), "
                          f"got {len(params)}")
     return params
+
+
+def _as_lora_list(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    lora = list(lora)
+    if len(lora) != n:
+        raise ValueError(f"lora_request must be one LoRARequest, None, or a list of {n} (one per prompt), "
+                         f"got {len(lora)}")
+    return lora

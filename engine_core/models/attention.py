@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from engine_core.models.lora import LoRABatch
 
 
 @dataclass
@@ -30,6 +31,7 @@ class AttentionMetadata:
     # result only for these rows. None: every row.
     output_rows: torch.Tensor | None = None
     output_seqs: torch.Tensor | None = None
+    lora: LoRABatch | None = None  # each row's adapter slot; None: no row of the step uses an adapter
 
     @property
     def decode_only(self) -> bool:

@@ -7,12 +7,18 @@ benchmark machine and as fast at 2048 rows (docs/benchmarks.md). The packed copy
 use and again whenever the weight changes in place (`Tensor._version`), so it is never stale.
 It costs one more copy of the weights in memory. The residual add can ride on the same call
 (oneDNN's binary post-op: one pass over the output instead of two).
+
+With multi-LoRA serving a Linear also holds its adapter slots (`lora`, set by
+`models.lora.attach_lora_stacks`); a step whose rows use adapters adds each row's delta
+(`models.lora.add_lora`) after the GEMM.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine_core.models.lora import LoRAMapping, LoRAStack, add_lora
 
 PACK_BATCH_HINT = 64  # the row count oneDNN picks its weight layout for: a full decode step
 
@@ -22,7 +28,7 @@ def onednn_available() -> bool:
 
 
 class Linear(nn.Module):
-    """y = x @ weight.T + bias (+ residual). Parameters keep their dense layout for everything else."""
+    """y = x @ weight.T + bias (+ each row's LoRA delta) (+ residual). Parameters keep their dense layout."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None) -> None:
         super().__init__()
@@ -30,8 +36,17 @@ class Linear(nn.Module):
         self.bias = bias
         self._packed: torch.Tensor | None = None
         self._packed_version = -1
+        self.lora: LoRAStack | None = None  # adapter slots, when the engine serves LoRA
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                lora: LoRAMapping | None = None) -> torch.Tensor:
+        if lora is not None and self.lora is not None:
+            y = self._gemm(x, None)
+            add_lora(y, x, self.lora, lora)
+            return y if residual is None else residual + y
+        return self._gemm(x, residual)
+
+    def _gemm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         packed = self._packed_weight(x)
         if packed is None:
             y = F.linear(x, self.weight, self.bias)

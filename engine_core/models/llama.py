@@ -5,7 +5,8 @@ qkv and o_proj bias, q/k RMSNorm (Qwen3), head_dim, tied embeddings, RoPE scalin
 
 Weights are fused at load time (q|k|v into one matmul, gate|up into another): fewer, larger
 GEMMs. The forward takes the batch metadata explicitly: `forward(input_ids, positions, kv_cache,
-attn_metadata)` over one flat varlen batch of tokens.
+attn_metadata)` over one flat varlen batch of tokens. Every projection is a `models.linear.Linear`:
+the GEMM, plus each row's LoRA delta when the step has adapters (`attn_metadata.lora`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from engine_core.models.attention import AttentionMetadata, AttentionPlan, Layer
 from engine_core.models.config import LlamaArgs
 from engine_core.models.linear import Linear
 from engine_core.models.loader import CheckpointReader
+from engine_core.models.lora import LoRAMapping
 from engine_core.worker.kv_cache import KVCache
 
 
@@ -85,7 +87,8 @@ class Attention(nn.Module):
         """residual + o_proj(attention). `only_output_rows`: write K/V for every row, compute the
         rest for plan.output_rows only (`residual` is then those rows')."""
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(-1, h + 2 * kvh, d)
+        lora = plan.meta.lora
+        qkv = self.qkv_proj(x, lora=lora and lora.all_rows).view(-1, h + 2 * kvh, d)
         if self.q_norm is None:  # q and k rotate in one pass: [tokens, h + kvh, d]
             qk = rope(qkv[:, :h + kvh])
             q, k = qk[:, :h], qk[:, h:]
@@ -98,7 +101,7 @@ class Attention(nn.Module):
         kv = LayerKV(kv_cache.key[i], kv_cache.value[i], kv_cache.k_scale[i], kv_cache.v_scale[i])
         plan.write_kv(k, v, kv)
         out = (plan.attend_output_rows if only_output_rows else plan.attend)(q, kv, self.scale)
-        return self.o_proj(out.reshape(-1, h * d), residual)
+        return self.o_proj(out.reshape(-1, h * d), residual, lora and lora.rows(only_output_rows))
 
 
 class Rope:
@@ -129,13 +132,14 @@ class MLP(nn.Module):
         self.gate_up_proj = _linear(ckpt, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], args.mlp_bias)
         self.down_proj = _linear(ckpt, [f"{prefix}.down_proj"], args.mlp_bias)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, fused: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, fused: bool = False,
+                lora: LoRAMapping | None = None) -> torch.Tensor:
         """residual + mlp(x). `fused`: SiLU-and-mul in one C call (kernels.cpu.silu_and_mul)."""
-        gate_up = self.gate_up_proj(x)
+        gate_up = self.gate_up_proj(x, lora=lora)
         if fused:
-            return self.down_proj(kernels.cpu.silu_and_mul(gate_up), residual)
+            return self.down_proj(kernels.cpu.silu_and_mul(gate_up), residual, lora)
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, residual)
+        return self.down_proj(F.silu(gate) * up, residual, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -151,7 +155,8 @@ class DecoderLayer(nn.Module):
                 only_output_rows: bool = False) -> torch.Tensor:
         residual = x[plan.output_rows] if only_output_rows else x
         x = self.attn(self.input_norm(x, fused), rope, kv_cache, plan, residual, only_output_rows)
-        return self.mlp(self.post_attn_norm(x, fused), x, fused)
+        lora = plan.meta.lora
+        return self.mlp(self.post_attn_norm(x, fused), x, fused, lora and lora.rows(only_output_rows))
 
 
 class LlamaForCausalLM(nn.Module):
