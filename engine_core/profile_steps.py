@@ -42,7 +42,7 @@ CATEGORIES = {  # profiler event name -> category; anything else is "other ATen 
 
 def decode_step_linears(engine: LLMEngine) -> list[Linear]:
     """The linear layers one decode step runs, in order (the LM head last)."""
-    m = engine.model
+    m = engine.runner.model
     per_layer = [[l.attn.qkv_proj, l.attn.o_proj, l.mlp.gate_up_proj, l.mlp.down_proj] for l in m.layers]
     return [lin for layer in per_layer for lin in layer] + [m.lm_head_proj]
 
