@@ -16,6 +16,7 @@ Anything here can be undone by code in the same process; batch grading does not 
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import sys
 import types
@@ -142,14 +143,19 @@ def _used_names(tree: ast.AST) -> list[tuple[str, int]]:
 
 def scan_source(sources: dict[str, str]) -> list[str]:
     """`where: what` for each use of a code-loading tool in the graded cells ({label: source})."""
+    return list(_scan(tuple(sources.items())))
+
+
+@functools.lru_cache(maxsize=64)
+def _scan(sources: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
     findings = []
-    for label, source in sources.items():
+    for label, source in sources:
         try:
             tree = ast.parse(source)
         except SyntaxError:
             continue  # the loader reports it as the cell's error
         findings += [f"{label}, line {line}: `{what}`" for what, line in _used_names(tree)]
-    return findings
+    return tuple(findings)
 
 
 def sources_of(student: Any) -> dict[str, str]:

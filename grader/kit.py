@@ -20,6 +20,7 @@ import io
 import tokenize
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 from grader.labs import REPO_ROOT, check_lab_name
 from grader.seams import module_of, seams_of
@@ -97,15 +98,27 @@ def _strip_comments(source: str) -> str:
     return "".join(lines)
 
 
+def _with_decorators(stmt: ast.stmt) -> ast.AST:
+    """A statement's span including its decorators (`@` sits one column left of the decorator)."""
+    decorators = getattr(stmt, "decorator_list", [])
+    if not decorators:
+        return stmt
+    first = decorators[0]
+    return SimpleNamespace(lineno=first.lineno, col_offset=first.col_offset - 1, end_lineno=stmt.end_lineno,
+                           end_col_offset=stmt.end_col_offset)
+
+
 def _dead_definitions(tree: ast.Module) -> list[ast.stmt]:
-    """Top-level plain functions and constants nothing else in the module refers to."""
+    """Top-level functions (not tests, fixtures or hooks) and constants nothing else in the module refers to."""
     used: dict[str, int] = defaultdict(int)
     for node in ast.walk(tree):
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
             used[node.id] += 1
     dead = []
     for stmt in tree.body:
-        if isinstance(stmt, ast.FunctionDef) and not stmt.decorator_list and not stmt.name.startswith("test_"):
+        kept = stmt.name.startswith(("test_", "pytest_")) if isinstance(stmt, ast.FunctionDef) else True
+        if isinstance(stmt, ast.FunctionDef) and not kept and not any(
+                "fixture" in ast.unparse(d) or "hookimpl" in ast.unparse(d) for d in stmt.decorator_list):
             inside = sum(1 for n in ast.walk(stmt) if isinstance(n, ast.Name) and n.id == stmt.name)
             if used[stmt.name] == inside:
                 dead.append(stmt)
@@ -131,8 +144,18 @@ def kit_tests_source(source: str) -> str:
                 edits.append((doc, "pass"))
     source = _splice(source, edits)
     while dead := _dead_definitions(ast.parse(source)):
-        source = _splice(source, [(stmt, "pass") for stmt in dead])
+        source = _splice(source, [(_with_decorators(stmt), "pass") for stmt in dead])
     return _strip_comments(source)
+
+
+def comparisons_left(source: str) -> list[str]:
+    """What still compares inside the learner's process after the kit transform of a test module
+    (`assert`, pytest.raises / pytest.fail, AssertionError): [] for a lab converted to observations."""
+    tree = ast.parse(kit_tests_source(source))
+    found = [f"assert on line {n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Assert)]
+    found += [f"{ast.unparse(n.func)} on line {n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Call)
+              and ast.unparse(n.func) in ("pytest.raises", "pytest.fail", "AssertionError")]
+    return found
 
 
 def _find_function(tree: ast.Module, qualname: str) -> ast.FunctionDef:

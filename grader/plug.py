@@ -9,12 +9,13 @@ with the engine *outside* the block, never inside.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 from dataclasses import dataclass, field
 from types import ModuleType, TracebackType
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from grader import delegation
 from grader.seams import Seam, current, resolve, seams_of
@@ -94,6 +95,7 @@ class plug:  # noqa: N801 - used like a function: `with plug(student, lab):`
         self.plugged = Plugged(lab)
         self.wires = delegation.Tripwires()
         self.restore: list[tuple[Any, str, Any]] = []  # (holder, attribute, old value)
+        self.originals: dict[Seam, Any] = {}
 
     def __enter__(self) -> Plugged:
         __tracebackhide__ = True
@@ -103,23 +105,36 @@ class plug:  # noqa: N801 - used like a function: `with plug(student, lab):`
         chosen = [s for s in self.seams if s.student_name in self.only]
         functions = {s.student_name: self.overrides.get(s.student_name) or getattr(self.student, s.student_name)
                      for s in chosen}  # a missing name raises StudentCodeError here, before anything changes
-        originals = {s: current(s) for s in self.seams}
+        originals = self.originals = {s: current(s) for s in self.seams}
         try:
             for seam in chosen:
                 name = seam.student_name
                 self.plugged.calls[name] = 0
                 self._replace(seam, originals[seam], _counted(functions[name], seam, self.plugged.calls))
-            for seam in self.seams:
-                delegation.arm(self.wires, originals[seam], f"the engine's own {seam.qualname} (lab {self.lab}'s "
-                                                            f"seam `{seam.student_name}`)")
-                for helper in seam.helpers:
-                    delegation.arm(self.wires, resolve(helper), f"the engine's {helper.rsplit('.', 2)[-2]}."
-                                   f"{helper.rsplit('.', 1)[-1]}, which holds the answer to `{seam.student_name}`")
+            self._arm(originals)
         except BaseException:
             self._undo()
             raise
         delegation.activate(self.wires)
         return self.plugged
+
+    def _arm(self, originals: dict[Seam, Any]) -> None:
+        for seam in self.seams:
+            delegation.arm(self.wires, originals[seam], f"the engine's own {seam.qualname} (lab {self.lab}'s "
+                                                        f"seam `{seam.student_name}`)")
+            for helper in seam.helpers:
+                delegation.arm(self.wires, resolve(helper), f"the engine's {helper.rsplit('.', 2)[-2]}."
+                               f"{helper.rsplit('.', 1)[-1]}, which holds the answer to `{seam.student_name}`")
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """The engine's own functions work again inside this block (the learner's stay plugged): only for
+        a test that must run the reference while plugged, as a throughput test timing both in turn."""
+        delegation.disarm(self.wires)
+        try:
+            yield
+        finally:
+            self._arm(self.originals)
 
     def _replace(self, seam: Seam, original: Any, new: Callable) -> None:
         owner = resolve(seam.owner)

@@ -1,5 +1,8 @@
 """Every lab present: its tests pass on solutions/, fail on the released stub, catch each planted
 bug, agree with the notebook's test cells, and labs/ equals a fresh regeneration from solutions/.
+The engine and the solutions agree (each passes the other's tests), every end-to-end test makes
+the engine call every function it plugs, and a notebook that calls the engine's own functions
+scores 0 on every test that plugs them, in self-grading and in batch grading.
 
 Each lab's variants run in one subprocess (`python -m grader.selftest NN_name`, one thread
 each), two labs at a time, all started at the first test that needs one; the tests below share
@@ -20,6 +23,8 @@ import nbformat
 import pytest
 
 from grader import labs as lab_files
+from grader.delegation import VERDICT
+from grader.kit import comparisons_left
 from grader.labs import REPO_ROOT
 from grader.release import regenerate, solution_labs
 
@@ -87,6 +92,82 @@ def test_planted_bugs_are_caught(lab):
     missed = [name for name, results in bugs.items()
               if not any(r["status"] == "failed" and r["max_points"] > 0 for r in results)]
     assert not missed, f"{lab}: planted bugs no graded test catches: {missed}"
+
+
+def plugged_tests(lab: str) -> set[str]:
+    """The tests that plugged the learner's functions into the engine in the solution's run."""
+    return {p["test"] for p in selftest(lab)["plugs"]}
+
+
+def not_cuda_skipped(results: list[dict]) -> list[dict]:
+    return [r for r in results if not (r["status"] == "skipped" and "CUDA" in r["message"])]
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_end_to_end_tests_call_every_plugged_function(lab):
+    """Each end_to_end test plugs the learner's functions and the engine calls every one of them."""
+    report = selftest(lab)
+    assert report["end_to_end"], f"{lab}: no test is marked end_to_end"
+    for test in report["end_to_end"]:
+        plugs = [p for p in report["plugs"] if p["test"] == test]
+        assert plugs, f"{lab}: {test} never plugged the learner's functions"
+        uncalled = sorted({name for p in plugs for name, calls in p["calls"].items() if calls == 0})
+        assert not uncalled, f"{lab}: in {test} the engine never called the plugged {uncalled}"
+
+
+# Tests that cannot take the engine's functions as the student, and why.
+ENGINE_AS_STUDENT_EXEMPT = {
+    # they count launches of the learner's own kernel, `paged_decode_kernel`, which the engine does not have
+    "06_paged_attention_kernel": {"test_decode_one_block", "test_decode_block_table_gather", "test_decode_gqa",
+                                  "test_decode_lengths_and_block_sizes", "test_decode_fp16_and_strided_query"},
+}
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_the_engines_own_functions_pass_the_labs_unit_tests(lab):
+    """The tests and the engine agree: the engine's bodies of the seams, plugged as the student, pass."""
+    results = not_cuda_skipped(selftest(lab)["engine"])
+    bad = [r for r in results if r["status"] != "passed" and r["name"] not in ENGINE_AS_STUDENT_EXEMPT.get(lab, ())]
+    assert results and not bad, f"{lab}: unit tests the engine's own functions fail:\n{describe(bad)}"
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_the_solution_passes_the_engines_unit_tests(lab):
+    """The solution and the engine agree: the engine's own unit tests of these pieces pass with the
+    solution's functions plugged in."""
+    results = selftest(lab)["engine_tests"]
+    bad = [r for r in results if r["status"] == "failed"]
+    assert results and not bad, f"{lab}: engine tests failing with the solution plugged in:\n" + "\n".join(
+        f"  {r['name']}: {r['message'][-600:]}" for r in bad)
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_delegation_is_caught_in_self_grading(lab):
+    """A notebook whose functions call the engine's own (captured at load) fails every plugging test with the reason."""
+    plugged = plugged_tests(lab)
+    results = {r["name"]: r for r in selftest(lab)["delegation"]}
+    missed = [f"{name}: {results[name]['status']} {results[name]['message'][:200]}" for name in sorted(plugged)
+              if results[name]["status"] != "failed" or VERDICT not in results[name]["message"]]
+    assert plugged and not missed, f"{lab}: delegation not reported:\n" + "\n".join(missed)
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_delegation_scores_zero_in_batch_grading(lab):
+    """`python -m grader batch` gives the same notebook 0 on those tests, status delegated, with the reason."""
+    plugged = plugged_tests(lab)
+    rows = {r["name"]: r for r in selftest(lab)["batch"]["delegation"]}
+    missed = [f"{name}: {rows[name]['status']} {rows[name]['message'][:200]}" for name in sorted(plugged)
+              if rows[name]["status"] != "delegated" or not rows[name]["message"].startswith(VERDICT)
+              or rows[name]["points"] != 0]
+    assert not missed, f"{lab}: batch grading did not score delegation 0:\n" + "\n".join(missed)
+
+
+@pytest.mark.parametrize("lab", [lab for lab in LABS if not comparisons_left(lab_files.tests_path(lab).read_text())])
+def test_a_converted_lab_grades_the_solution_full_marks_in_batch(lab):
+    """Every graded check is an observation: batch grading verifies them all outside the learner's process."""
+    rows = not_cuda_skipped(selftest(lab)["batch"]["solution"])
+    bad = [r for r in rows if r["status"] != "passed"]
+    assert rows and not bad, f"{lab}: the solution in batch grading:\n{describe(bad)}"
 
 
 def check_calls(source: str) -> list[ast.Call]:

@@ -11,13 +11,12 @@ reference engine's, computed after the plug ends. Expected block counts are hand
 blocks = ceil(tokens / block_size). Every check is an `expect_*` observation.
 """
 import functools
-from collections import OrderedDict
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grader.harness import BlockHash, BlockPool, KVCacheManager, Request, SamplingParams, run_engine
+from grader.harness import BlockHash, BlockPool, Request, SamplingParams, build_manager, build_pool, run_engine
 from grader.observe import expect_equal, expect_raises
 from grader.plug import plug
 
@@ -33,36 +32,6 @@ def _state(pool: BlockPool) -> dict:
     return {"free queue": list(pool.free_queue), "ref_cnt": [b.ref_cnt for b in pool.blocks]}
 
 
-def _pool(num_blocks: int, held: dict[int, int] | None = None, free_order: list[int] | None = None,
-          cached: dict[int, tuple[int, ...]] | None = None) -> BlockPool:
-    """A pool built directly: blocks `held` {id: ref_cnt}, the others free in `free_order` (default by
-    id), and `cached` {id: tokens} registered in the prefix cache under BlockHash(1000 + id, tokens)."""
-    held, cached = held or {}, cached or {}
-    pool = BlockPool(num_blocks)
-    for block_id, ref_cnt in held.items():
-        pool.blocks[block_id].ref_cnt = ref_cnt
-    free = [i for i in range(num_blocks) if i not in held] if free_order is None else free_order
-    pool.free_queue = OrderedDict((i, pool.blocks[i]) for i in free)
-    pool.cache_full_blocks([pool.blocks[i] for i in cached], [BlockHash(1000 + i, t) for i, t in cached.items()])
-    return pool
-
-
-def _manager(num_gpu_blocks: int, tables: dict[str, list[int]] | None = None, free_order: list[int] | None = None,
-             cached: dict[int, tuple[int, ...]] | None = None, caching: bool = False,
-             block_size: int = 4) -> KVCacheManager:
-    """A manager whose requests hold `tables` {request id: block ids}, built directly."""
-    tables = tables or {}
-    kvm = KVCacheManager(num_gpu_blocks=num_gpu_blocks, block_size=block_size, enable_caching=caching)
-    held: dict[int, int] = {}
-    for ids in tables.values():
-        for i in ids:
-            held[i] = held.get(i, 0) + 1
-    kvm.block_pool = _pool(num_gpu_blocks, held, free_order, cached)
-    for rid, ids in tables.items():
-        kvm.req_to_blocks[rid] = [kvm.block_pool.blocks[i] for i in ids]
-    return kvm
-
-
 def _request(rid: str, num_prompt_tokens: int, computed: int = 0) -> Request:
     req = Request(rid, list(range(1, 1 + num_prompt_tokens)), SamplingParams(max_tokens=8))
     req.num_computed_tokens = computed
@@ -76,14 +45,14 @@ def _request(rid: str, num_prompt_tokens: int, computed: int = 0) -> Request:
 def test_get_new_blocks_takes_the_front_of_the_free_queue(student):
     """Blocks leave from the front of the free queue (least recently freed first), with ref_cnt 1."""
     with plug(student, LAB):
-        pool = _pool(6)
+        pool = build_pool(6)
         got = pool.get_new_blocks(2)
         expect_equal(_ids(got), [0, 1], "a fresh pool of 6 blocks (free queue [0, 1, 2, 3, 4, 5]): get_new_blocks(2)")
         expect_equal([b is pool.blocks[b.block_id] for b in got], [True, True],
                      "get_new_blocks(2) returns the pool's own KVCacheBlock objects, not copies (is pool.blocks[id])")
         expect_equal(_state(pool), {"free queue": [2, 3, 4, 5], "ref_cnt": [1, 1, 0, 0, 0, 0]},
                      "the pool after get_new_blocks(2) on a fresh pool of 6: a block handed out has one holder")
-        pool = _pool(6, held={0: 1}, free_order=[2, 3, 4, 5, 1])  # block 1 was freed last
+        pool = build_pool(6, held={0: 1}, free_order=[2, 3, 4, 5, 1])  # block 1 was freed last
         got = pool.get_new_blocks(5)
         expect_equal(_ids(got), [2, 3, 4, 5, 1],
                      "free queue [2, 3, 4, 5, 1] (block 1 freed last): get_new_blocks(5); the front is evicted first")
@@ -95,7 +64,7 @@ def test_get_new_blocks_takes_the_front_of_the_free_queue(student):
 def test_get_new_blocks_rejects_bad_counts(student):
     """Asking for more blocks than are free (or fewer than 0) is a ValueError naming num_blocks, with nothing taken."""
     with plug(student, LAB):
-        pool = _pool(3, held={0: 1})
+        pool = build_pool(3, held={0: 1})
         for bad in (3, -1):
             expect_raises(ValueError, pool.get_new_blocks, bad, match="num_blocks",
                           message=f"block 0 held, free queue [1, 2]: get_new_blocks({bad})")
@@ -108,7 +77,7 @@ def test_get_new_blocks_rejects_bad_counts(student):
 def test_get_new_blocks_evicts_a_cached_block(student):
     """A free block that still holds a prefix's KV loses its cache entry when handed out for new tokens."""
     with plug(student, LAB):
-        pool = _pool(3, free_order=[1, 2, 0], cached={0: (5, 6, 7, 8)})
+        pool = build_pool(3, free_order=[1, 2, 0], cached={0: (5, 6, 7, 8)})
         got = pool.get_new_blocks(3)
         expect_equal(_ids(got), [1, 2, 0], "free queue [1, 2, 0], block 0 free but cached: get_new_blocks(3)")
         expect_equal((pool.blocks[0].block_hash, len(pool.cached_blocks)), (None, 0),
@@ -123,7 +92,7 @@ def test_get_new_blocks_evicts_a_cached_block(student):
 def test_free_blocks_counts_references(student):
     """A shared block stays in use until its last holder frees it; then it joins the free queue's tail."""
     with plug(student, LAB):
-        pool = _pool(4, held={0: 2, 1: 1})
+        pool = build_pool(4, held={0: 2, 1: 1})
         pool.free_blocks([pool.blocks[0], pool.blocks[1]])
         expect_equal(_state(pool), {"free queue": [2, 3, 1], "ref_cnt": [1, 0, 0, 0]},
                      "block 0 (ref_cnt 2, shared) and block 1 (ref_cnt 1) freed once, free queue was [2, 3]")
@@ -137,7 +106,7 @@ def test_free_blocks_counts_references(student):
 def test_free_blocks_keeps_the_given_order(student):
     """Freed blocks join the tail in the order given (the caller passes eviction order), from any iterable."""
     with plug(student, LAB):
-        pool = _pool(5, held={0: 1, 1: 1, 2: 1, 3: 1})
+        pool = build_pool(5, held={0: 1, 1: 1, 2: 1, 3: 1})
         pool.free_blocks(iter([pool.blocks[3], pool.blocks[0], pool.blocks[2]]))  # the engine passes an iterator
         expect_equal(_state(pool), {"free queue": [4, 3, 0, 2], "ref_cnt": [0, 1, 0, 0, 0]},
                      "blocks 0-3 held once, free queue [4]: free_blocks(iter([block 3, block 0, block 2]))")
@@ -149,7 +118,7 @@ def test_free_blocks_rejects_a_double_free(student):
     """Freeing a block more often than it is held is a bug upstream: ValueError, raised before any ref
     count changes (a half-applied free would corrupt the pool)."""
     with plug(student, LAB):
-        pool = _pool(3, held={1: 1})
+        pool = build_pool(3, held={1: 1})
         cases = [([0], "block 0, already free"), ([1, 0], "block 1 (held once), then block 0 (already free)"),
                  ([1, 1], "block 1 twice, but it is held once")]
         for ids, what in cases:
@@ -165,7 +134,7 @@ def test_free_blocks_keeps_cached_kv(student):
     """A freed block keeps its cached KV: a later request with the same prefix can take it back
     until get_new_blocks hands it out (freeing is not evicting)."""
     with plug(student, LAB):
-        pool = _pool(3, held={0: 1, 1: 1}, cached={0: (1, 2, 3, 4), 1: (5, 6, 7, 8)})
+        pool = build_pool(3, held={0: 1, 1: 1}, cached={0: (1, 2, 3, 4), 1: (5, 6, 7, 8)})
         pool.free_blocks([pool.blocks[1], pool.blocks[0]])
         expect_equal([pool.get_cached_block(BlockHash(1000 + i, t)) is pool.blocks[i]
                       for i, t in ((0, (1, 2, 3, 4)), (1, (5, 6, 7, 8)))], [True, True],
@@ -180,7 +149,7 @@ def test_free_blocks_keeps_cached_kv(student):
 def test_allocate_slots_grows_the_table_only_when_needed(student):
     """A table of T blocks covers T * block_size positions; only tokens past that need new blocks."""
     with plug(student, LAB):
-        kvm = _manager(8)
+        kvm = build_manager(8)
         req = _request("r", 10)
         # (num_computed_tokens, num_new_tokens): a 10-token prefill, three decodes, then a 7-token chunk
         for computed, new, want_new, want_table in [(0, 10, 3, [0, 1, 2]), (10, 1, 0, [0, 1, 2]), (11, 1, 0, [0, 1, 2]),
@@ -198,7 +167,7 @@ def test_allocate_slots_grows_the_table_only_when_needed(student):
 def test_allocate_slots_returns_none_and_changes_nothing_when_full(student):
     """Not enough free blocks: return None, take nothing (the scheduler then preempts and retries)."""
     with plug(student, LAB):
-        kvm = _manager(4, tables={"a": [0, 1, 2]})
+        kvm = build_manager(4, tables={"a": [0, 1, 2]})
         a, b = _request("a", 12, computed=12), _request("b", 5)
         expect_equal(_ids(kvm.allocate_slots(b, 5)), None,
                      "4 blocks of 4, a holds 3: allocate_slots(b, 5) needs 2 blocks, 1 is free")
@@ -215,7 +184,7 @@ def test_allocate_slots_returns_none_and_changes_nothing_when_full(student):
 def test_allocate_slots_validates_and_handles_zero(student):
     """num_new_tokens < 0 is a ValueError naming it; 0 new tokens inside the table allocate nothing."""
     with plug(student, LAB):
-        kvm = _manager(4)
+        kvm = build_manager(4)
         req = _request("r", 3)
         expect_raises(ValueError, kvm.allocate_slots, req, -1, match="num_new_tokens",
                       message="allocate_slots(request, num_new_tokens=-1)")
@@ -232,7 +201,7 @@ def test_allocate_slots_with_prefix_hits(student):
     """Prefix hits go first in the table and are touched; hits sitting in the free queue are not free room."""
     with plug(student, LAB):
         # blocks 0 and 1 hold a freed request's prefix: free but cached, free queue [2, 1, 0]
-        kvm = _manager(3, free_order=[2, 1, 0], cached={0: (1, 2, 3, 4), 1: (5, 6, 7, 8)}, caching=True)
+        kvm = build_manager(3, free_order=[2, 1, 0], cached={0: (1, 2, 3, 4), 1: (5, 6, 7, 8)}, caching=True)
         pool = kvm.block_pool
         q = _request("q", 16)  # its first 8 tokens are the cached prefix
         hits = [pool.blocks[0], pool.blocks[1]]
@@ -255,7 +224,7 @@ def test_allocate_slots_takes_no_extra_block_next_to_hits(student):
     """Blocks held next to prefix hits: the hits cover their tokens, so a request with h hit blocks takes
     only the blocks its remaining tokens need (an over-allocation keeps the tokens right but wastes memory)."""
     with plug(student, LAB):
-        kvm = _manager(10, free_order=[2, 3, 4, 5, 6, 7, 8, 9, 1, 0], cached={0: (1, 2, 3, 4), 1: (5, 6, 7, 8)},
+        kvm = build_manager(10, free_order=[2, 3, 4, 5, 6, 7, 8, 9, 1, 0], cached={0: (1, 2, 3, 4), 1: (5, 6, 7, 8)},
                        caching=True)
         hits = [kvm.block_pool.blocks[0], kvm.block_pool.blocks[1]]
         for rid, new, want in (("q", 3, [2]), ("s", 4, [3]), ("t", 5, [4, 5]), ("u", 0, [])):
@@ -272,7 +241,7 @@ def test_allocate_slots_takes_no_extra_block_next_to_hits(student):
 def test_allocation_invariants(student, ops):
     """Random grow / free sequences on 4 requests: counts, ref_cnt and the free queue stay consistent."""
     with plug(student, LAB):
-        kvm = _manager(6, block_size=3)
+        kvm = build_manager(6, block_size=3)
         reqs = [_request(f"r{i}", 30) for i in range(4)]
         log = []
         for k, new, finish in ops:
