@@ -148,13 +148,22 @@ def kit_tests_source(source: str) -> str:
     return _strip_comments(source)
 
 
+SANITY = "(a test bug)"  # how a bare assert that checks the test itself, not the learner, ends its message
+
+
 def comparisons_left(source: str) -> list[str]:
-    """What still compares inside the learner's process after the kit transform of a test module
-    (`assert`, pytest.raises / pytest.fail, AssertionError): [] for a lab converted to observations."""
-    tree = ast.parse(kit_tests_source(source))
-    found = [f"assert on line {n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Assert)]
-    found += [f"{ast.unparse(n.func)} on line {n.lineno}" for n in ast.walk(tree) if isinstance(n, ast.Call)
-              and ast.unparse(n.func) in ("pytest.raises", "pytest.fail", "AssertionError")]
+    """Checks of the learner's code that are not observations, in a test module: bare `assert`s whose
+    message does not end in SANITY, pytest.raises / pytest.fail, AssertionError. [] for a lab
+    converted to observations (the kit removes them, so batch grading would not see them)."""
+    tree = ast.parse(source)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assert):
+            message = node.msg.value if isinstance(node.msg, ast.Constant) else ""
+            if not str(message).endswith(SANITY):
+                found.append(f"assert on line {node.lineno}")
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("pytest.raises", "pytest.fail", "AssertionError"):
+            found.append(f"{ast.unparse(node.func)} on line {node.lineno}")
     return found
 
 

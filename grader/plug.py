@@ -66,6 +66,7 @@ def _counted(fn: Callable, seam: Seam, calls: dict[str, int]) -> Callable:
         finally:
             active[0] = False
 
+    counted.__grader_plugged__ = True
     return counted
 
 
@@ -106,6 +107,9 @@ class plug:  # noqa: N801 - used like a function: `with plug(student, lab):`
         functions = {s.student_name: self.overrides.get(s.student_name) or getattr(self.student, s.student_name)
                      for s in chosen}  # a missing name raises StudentCodeError here, before anything changes
         originals = self.originals = {s: current(s) for s in self.seams}
+        nested = [s.qualname for s, fn in originals.items() if getattr(fn, "__grader_plugged__", False)]
+        if nested:
+            raise RuntimeError(f"plug: {nested} are plugged already (one plug of a lab at a time)")
         try:
             for seam in chosen:
                 name = seam.student_name

@@ -109,13 +109,14 @@ class Collect:
 
 
 class PlugEachTest:
-    """A pytest plugin: every test runs inside `plug(module, lab)` (the engine's unit tests, solution plugged)."""
+    """A pytest plugin: every test, fixtures included (a test's own monkeypatch of a seam is undone inside
+    the plug), runs inside `plug(module, lab)`: the engine's unit tests with the solution plugged in."""
 
     def __init__(self, module: ModuleType, lab: str) -> None:
         self.module, self.lab = module, lab
 
     @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(self, item: pytest.Item):
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None):
         with plug(self.module, self.lab):
             return (yield)
 

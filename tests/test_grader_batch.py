@@ -1,5 +1,6 @@
-"""`python -m grader batch`: every submission in its own limited process, zero with a reason for
-the ones that hang, crash or tamper, and everyone else still graded."""
+"""`python -m grader batch`: every submission in its own limited process, judged from its observations
+against a trusted reference run; zero with a reason for the ones that hang, crash, tamper or use the
+engine's own implementation, and everyone else still graded."""
 from __future__ import annotations
 
 import csv
@@ -12,12 +13,12 @@ import pytest
 
 from grader.labs import REPO_ROOT
 
-pytestmark = pytest.mark.slow  # ~15 s: the endless-loop submission waits out its time limit
+pytestmark = pytest.mark.slow  # ~30 s: every child imports the engine; the endless loop waits out its time limit
 
 SOLUTION = REPO_ROOT / "solutions" / "00_warmup" / "00_warmup.ipynb"
 STUB = REPO_ROOT / "labs" / "00_warmup" / "00_warmup.ipynb"
 ANSWER = "return (num_tokens + block_size - 1) // block_size"
-TIMEOUT_S = 15
+TIMEOUT_S = 30
 
 # name -> replacement of the solution's answer line, or an (old, new) edit (None: the released stub)
 SUBMISSIONS = {
@@ -27,17 +28,26 @@ SUBMISSIONS = {
     "endless_loop": "while True:\n        pass",
     "segfault": "import ctypes\n    ctypes.string_at(0)",
     "memory_hog": "return len(bytearray(2**34))",
-    "tamper_monkeypatch": "return 0\nimport _pytest.python\n_pytest.python.Function.runtest = lambda self: None",
+    # the tests never run: nothing is observed, so nothing passes
+    "skips_the_tests": "return 0\nimport _pytest.python\n_pytest.python.Function.runtest = lambda self: None",
     "tamper_edit_tests": (
-        "return 0\nimport pathlib, grader.labtests\n"
-        "_p = pathlib.Path(grader.labtests.__file__).with_name('lab00_warmup.py')\n"
-        "_p.write_text(_p.read_text().replace('assert got == want', 'assert True'))"
+        "return 0\nimport grader.labtests\n"
+        "_p = __import__('pathlib').Path(grader.labtests.__file__).with_name('lab00_warmup.py')\n"
+        "_p.write_text(_p.read_text() + '\\n')"
     ),
-    "tamper_own_score": (
-        "return 0\nimport atexit, sys\n"
-        "_out = sys.argv[sys.argv.index('--result') + 1]\n"
-        "atexit.register(lambda: open(_out, 'w').write('{\"results\": [], \"tampered\": []}\\nfeedface\\n'))"
+    # its own outcomes and a log of completed tests, written at exit: the parent trusts neither
+    "forges_its_results": (
+        "return 0\nimport atexit, sys, json\n"
+        "_a = sys.argv\n"
+        "_TESTS = ['test_whole_blocks', 'test_partial_block', 'test_edge_cases', 'test_matches_specification', "
+        "'test_the_scheduler_sizes_block_tables_with_it']\n"
+        "def _forge():\n"
+        "    open(_a[_a.index('--results') + 1], 'w').write(json.dumps({'results': [], 'cell_errors': []}))\n"
+        "    open(_a[_a.index('--log') + 1], 'w').write(''.join(json.dumps({'test': t, 'observations': [], "
+        "'completed': True}) + '\\n' for t in _TESTS))\n"
+        "atexit.register(_forge)"
     ),
+    "delegates": "from engine_core.kv_cache_manager import cdiv\n    return cdiv(num_tokens, block_size)",
     "raises_at_import": ("def num_blocks_needed", "raise RuntimeError('boom at import')\ndef num_blocks_needed"),
 }
 
@@ -84,16 +94,17 @@ def test_grades_csv_has_one_row_per_student_and_official_test(batch):
     assert set(rows) == set(SUBMISSIONS) | {"no_notebook"}
     for student, student_rows in rows.items():
         assert [r["test"] for r in student_rows] == [
-            "test_whole_blocks", "test_partial_block", "test_edge_cases", "test_matches_specification"], student
+            "test_whole_blocks", "test_partial_block", "test_edge_cases", "test_matches_specification",
+        "test_the_scheduler_sizes_block_tables_with_it"], student
 
 
 def test_correct_stub_and_half_right_are_graded_on_their_merits(batch):
     rows, _, _ = batch
-    assert total(rows["correct"]) == 4
+    assert total(rows["correct"]) == 5
     assert total(rows["stub"]) == 0 and {r["status"] for r in rows["stub"]} == {"failed"}
-    assert total(rows["half_right"]) == 2
+    assert total(rows["half_right"]) == 3
     failed = {r["test"]: r["message"] for r in rows["half_right"] if r["status"] == "failed"}
-    assert "num_blocks_needed(0, 16) returned 1, expected 0" in failed["test_edge_cases"]
+    assert failed["test_edge_cases"] == "num_blocks_needed(0, 16): no tokens, no block\n  expected: 0\n  got:      1"
 
 
 @pytest.mark.parametrize(
@@ -101,9 +112,11 @@ def test_correct_stub_and_half_right_are_graded_on_their_merits(batch):
     [
         ("endless_loop", "timeout", f"timed out after {TIMEOUT_S} s"),
         ("segfault", "crashed", "died of SIGSEGV"),
-        ("tamper_monkeypatch", "tampered", "_pytest.python.Function.runtest"),
+        ("skips_the_tests", "failed", "your run made 0 checks"),
         ("tamper_edit_tests", "tampered", "grader/labtests/lab00_warmup.py"),
-        ("tamper_own_score", "tampered", "result file was forged"),
+        ("forges_its_results", "failed", "checks"),
+        ("delegates", "delegated", "uses the reference implementation: your `num_blocks_needed` calls the engine's "
+                                   "kv_cache_manager.cdiv"),
         ("no_notebook", "missing", "no 00_warmup.ipynb"),
     ],
 )

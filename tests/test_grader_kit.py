@@ -61,6 +61,17 @@ def test_converted_labs_kit_holds_no_comparison(lab):
     assert "def expected_blocks" not in kit and "def _reference" not in kit, "spec helpers of expected values stay out"
 
 
+def test_comparisons_left_counts_checks_of_the_learner_not_of_the_test():
+    source = textwrap.dedent('''\
+        def test_x(student):
+            assert setup_ok(), "the workload must preempt (a test bug)"
+            assert student.f() == 1, "f()"
+            with pytest.raises(ValueError):
+                student.f(-1)
+        ''')
+    assert comparisons_left(source) == ["assert on line 3", "pytest.raises on line 4"]
+
+
 def test_seam_bodies_are_removed_and_raise_kit_removed():
     source = textwrap.dedent('''\
         class Pool:
