@@ -165,8 +165,8 @@ def sources_of(student: Any) -> dict[str, str]:
         return dict(kept)
     found = {}
     for name, value in vars(student).items():
-        if isinstance(value, (types.FunctionType, type)) and not str(getattr(value, "__module__", "")).startswith(
-                ("grader", "engine_core", "kernels")):
+        # only what the notebook itself defined (Jupyter's and a script's module is __main__), not imports
+        if isinstance(value, (types.FunctionType, type)) and getattr(value, "__module__", None) in (None, "__main__"):
             try:
                 found[f"`{name}` ({inspect.getsourcefile(value)})"] = inspect.getsource(value)
             except (OSError, TypeError):
