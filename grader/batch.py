@@ -45,6 +45,7 @@ from grader.report import write_html
 from grader.results import DELEGATED, FAILED, PASSED, SKIPPED, UNVERIFIABLE, Graded, TestResult
 
 Kit = dict[str, bytes]
+REFERENCE_TIMEOUT_S = 1800.0  # the trusted run of the solution: never cut short by a submission's limit
 
 
 @dataclass
@@ -135,6 +136,7 @@ def run_reference(lab: str, limits: Limits) -> Reference:
     solution = REPO_ROOT / "solutions" / lab / f"{lab}.ipynb"
     if not solution.is_file():
         raise ValueError(f"batch grading compares with the solution, and {solution} is missing")
+    limits = replace(limits, timeout_s=max(limits.timeout_s, REFERENCE_TIMEOUT_S))
     with tempfile.TemporaryDirectory(prefix=f"reference-{lab}-") as tmp:
         run = run_child(solution, lab, Path(tmp), REPO_ROOT, limits, memory_limit=False)
     if run.code != 0 or run.outcomes is None:

@@ -37,6 +37,6 @@ def write_html(graded: list[Graded], lab: str, path: Path) -> None:
     path.write_text(
         f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(lab)} grades</title>"
         f"<style>{STYLE}</style></head><body><h1>{escape(lab)}: {len(graded)} submissions</h1>"
-        "<table><tr><th>student</th><th>points</th><th>zero because</th></tr>"
+        "<table><tr><th>student</th><th>points</th><th>reason</th></tr>"
         f"{rows}</table>{''.join(details)}</body></html>"
     )

@@ -57,7 +57,8 @@ def format_points_table(results: Iterable[TestResult]) -> str:
 
 @dataclass
 class Graded:
-    """One student's batch results; `reason` is set when the whole submission scored zero."""
+    """One student's batch results; `reason` says why the whole submission scored zero (timeout, crash ...)
+    or which of its tests used the reference implementation."""
 
     student: str
     results: list[TestResult]

@@ -125,33 +125,33 @@ def labs_with_seams() -> list[str]:
     return sorted({s.lab for s in SEAMS})
 
 
-def resolve(dotted: str) -> Any:
-    """The object at `package.module.Class.attr`: imports the longest module prefix, then getattr."""
-    parts = dotted.split(".")
-    for split in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:split]))
-        except ModuleNotFoundError as exc:
-            if exc.name is None or not ".".join(parts[:split]).startswith(exc.name):
-                raise
-            continue
-        for name in parts[split:]:
-            obj = getattr(obj, name)
-        return obj
-    raise ModuleNotFoundError(f"no module on the path {dotted!r}")
-
-
-def module_of(dotted: str) -> str:
-    """The module part of a dotted path (`engine_core.block_pool` of `engine_core.block_pool.BlockPool.touch`)."""
+def _split(dotted: str) -> tuple[str, list[str]]:
+    """(the longest importable module prefix, the attribute names after it)."""
     parts = dotted.split(".")
     for split in range(len(parts), 0, -1):
         name = ".".join(parts[:split])
         try:
             importlib.import_module(name)
-        except ModuleNotFoundError:
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not name.startswith(exc.name):
+                raise  # a module the engine imports is missing, not a prefix that is no module
             continue
-        return name
+        return name, parts[split:]
     raise ModuleNotFoundError(f"no module on the path {dotted!r}")
+
+
+def resolve(dotted: str) -> Any:
+    """The object at `package.module.Class.attr`: imports the longest module prefix, then getattr."""
+    module, names = _split(dotted)
+    obj = importlib.import_module(module)
+    for name in names:
+        obj = getattr(obj, name)
+    return obj
+
+
+def module_of(dotted: str) -> str:
+    """The module part of a dotted path (`engine_core.block_pool` of `engine_core.block_pool.BlockPool.touch`)."""
+    return _split(dotted)[0]
 
 
 def current(seam: Seam) -> Any:

@@ -11,25 +11,23 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from grader.batch import Limits, Reference, grade_all
 from grader.labs import REPO_ROOT
 
-pytestmark = pytest.mark.slow  # ~30 s: every child imports the engine; the endless loop waits out its time limit
+pytestmark = pytest.mark.slow  # ~30 s: a reference run and a dozen children, each importing the engine
 
 SOLUTION = REPO_ROOT / "solutions" / "00_warmup" / "00_warmup.ipynb"
 STUB = REPO_ROOT / "labs" / "00_warmup" / "00_warmup.ipynb"
 ANSWER = "return (num_tokens + block_size - 1) // block_size"
-TIMEOUT_S = 30
+TIMEOUT_S = 300  # generous: a loaded machine must not time out a correct child (the time limit is tested alone)
 
 # name -> replacement of the solution's answer line, or an (old, new) edit (None: the released stub)
 SUBMISSIONS = {
     "correct": ANSWER,
     "stub": None,
     "half_right": "return max(1, (num_tokens + block_size - 1) // block_size)",  # wrong for 0 tokens only
-    "endless_loop": "while True:\n        pass",
-    "segfault": "import ctypes\n    ctypes.string_at(0)",
+    "segfault": "import os, signal\n    os.kill(os.getpid(), signal.SIGSEGV)",
     "memory_hog": "return len(bytearray(2**34))",
-    # the tests never run: nothing is observed, so nothing passes
-    "skips_the_tests": "return 0\nimport _pytest.python\n_pytest.python.Function.runtest = lambda self: None",
     "tamper_edit_tests": (
         "return 0\nimport grader.labtests\n"
         "_p = __import__('pathlib').Path(grader.labtests.__file__).with_name('lab00_warmup.py')\n"
@@ -110,9 +108,7 @@ def test_correct_stub_and_half_right_are_graded_on_their_merits(batch):
 @pytest.mark.parametrize(
     "student, status, reason",
     [
-        ("endless_loop", "timeout", f"timed out after {TIMEOUT_S} s"),
         ("segfault", "crashed", "died of SIGSEGV"),
-        ("skips_the_tests", "failed", "your run made 0 checks"),
         ("tamper_edit_tests", "tampered", "grader/labtests/lab00_warmup.py"),
         ("forges_its_results", "failed", "checks"),
         ("delegates", "delegated", "uses the reference implementation: your `num_blocks_needed` calls the engine's "
@@ -147,3 +143,12 @@ def test_the_html_report_lists_everyone(batch):
     html = (out / "report.html").read_text()
     for student in SUBMISSIONS:
         assert f"id='{student}'" in html
+
+
+def test_a_submission_past_the_time_limit_scores_zero(tmp_path):
+    """The time limit alone (no reference needed: the verdict comes before any comparison)."""
+    make_submission(tmp_path / "submitted", "endless_loop", "while True:\n        pass")
+    limits = Limits(timeout_s=3, memory_bytes=2**31)
+    (graded,) = grade_all(tmp_path / "submitted", "00_warmup", limits, tmp_path / "out", reference=Reference({}, {}))
+    assert graded.points == 0 and graded.reason == "timed out after 3 s (an endless loop?)"
+    assert {r.status for r in graded.results} == {"timeout"}

@@ -56,19 +56,23 @@ def _running(sched, specs) -> list:
 @pytest.mark.task("choose_preemption_mode")
 def test_forced_modes_and_fallbacks(student):
     """preemption_mode forces the mode; swap falls back to recompute with no CPU room or nothing to copy."""
-    cases = [  # (preemption_mode, CPU blocks, computed tokens, expected, why)
-        ("recompute", 8, 6, "recompute", "preemption_mode='recompute' forces it"),
-        ("swap", 8, 6, "swap", "preemption_mode='swap' with 2 of 8 CPU blocks needed"),
-        ("swap", 1, 6, "recompute", "6 computed tokens need 2 CPU blocks of 4, only 1 exists"),
-        ("auto", 0, 6, "recompute", "no CPU swap pool at all"),
-        ("swap", 8, 0, "recompute", "nothing computed yet: nothing to copy"),
+    slow_link = dict(swap_bandwidth_bytes_per_s=1.0)  # the cost model would recompute
+    cases = [  # (preemption_mode, CPU blocks, computed tokens, expected, why, more config)
+        ("recompute", 8, 6, "recompute", "preemption_mode='recompute' forces it", {}),
+        ("swap", 8, 6, "swap", "preemption_mode='swap' with 2 of 8 CPU blocks needed", {}),
+        ("swap", 8, 6, "swap", "preemption_mode='swap' forces it even over a 1 B/s host link", slow_link),
+        ("recompute", 8, 6, "recompute", "preemption_mode='recompute' forces it even where swap is free",
+         dict(swap_bandwidth_bytes_per_s=1e18)),
+        ("swap", 1, 6, "recompute", "6 computed tokens need 2 CPU blocks of 4, only 1 exists", {}),
+        ("auto", 0, 6, "recompute", "no CPU swap pool at all", {}),
+        ("swap", 8, 0, "recompute", "nothing computed yet: nothing to copy", {}),
     ]
-    for mode, cpu, n, want, why in cases:
-        sched = _scheduler(16, cpu, preemption_mode=mode)
+    for mode, cpu, n, want, why, more in cases:
+        sched = _scheduler(16, cpu, preemption_mode=mode, **more)
         (req,) = _running(sched, [("a", n, 0, 0.0)]) if n else [_request("a", 3)]
         with plug(student, LAB):
             got = sched.choose_preemption_mode(req)
-        assert got == want, (f"preemption_mode={mode!r}, {cpu} CPU blocks, request with {n} computed tokens (block "
+        assert got == want, (f"preemption_mode={mode!r}, {cpu} CPU blocks, {more or 'default rates'}, request with {n} computed tokens (block "
                              f"size 4): returned {got!r}, expected {want!r} ({why})")
 
 

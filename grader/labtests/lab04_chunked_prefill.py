@@ -232,7 +232,7 @@ def _run_workload(student, workload, num_blocks, arrivals_per_step=3, **config):
 
 def _run_workload_plugged(workload, num_blocks, arrivals_per_step=3, **config):
     sched = make_scheduler(num_blocks, **config)
-    runner = FakeRunner(num_blocks, sched.block_size)
+    runner = FakeRunner.for_scheduler(sched)
     pending, outputs, steps = list(workload), {}, 0
     while pending or sched.has_unfinished_requests():
         for rid, prompt, max_tokens, *priority in pending[:arrivals_per_step]:
@@ -295,14 +295,20 @@ def test_long_prompt_never_stalls_decodes(student):
 def test_preemption_under_memory_pressure(student):
     """Too few blocks for everyone: preempted requests are dropped from the step, recomputed later,
     and every request still produces the reference tokens with no block leaked. Priorities differ, so
-    a victim (lowest priority: largest value) may already have a chunk in the step being planned."""
+    a victim (lowest priority: largest value) may already have a chunk in the step being planned; one
+    configuration has a CPU swap pool, so victims are swapped out and brought back."""
     rng = random.Random(5)
     for num_blocks, config in ((12, dict(max_num_batched_tokens=16)), (9, dict(max_num_batched_tokens=10)),
-                               (16, dict(max_num_batched_tokens=16, enable_prefix_caching=True))):
+                               (16, dict(max_num_batched_tokens=16, enable_prefix_caching=True)),
+                               # a CPU swap pool: swapped requests come back before any admission
+                               (10, dict(max_num_batched_tokens=16, num_cpu_blocks=24, preemption_mode="swap"))):
         workload = [(f"r{i}", [rng.randrange(1, 50) for _ in range(rng.randrange(2, 20))], rng.randrange(4, 14),
                      rng.randrange(3)) for i in range(8)]
         sched = _run_workload(student, workload, num_blocks, arrivals_per_step=8, **config)
-        assert sched.stats()["num_preemptions"] > 0, f"{num_blocks} blocks, {config}: the workload never preempted"
+        stats = sched.stats()
+        assert stats["num_preemptions"] > 0, f"{num_blocks} blocks, {config}: the workload never preempted (a test bug)"
+        if "num_cpu_blocks" in config:
+            assert stats["num_blocks_swapped_in"] > 0, f"{config}: nothing was swapped back in (a test bug): {stats}"
 
 
 ENGINE_PROMPTS = [[(7 * i + 3 * k) % 500 + 3 for k in range(n)] for i, n in enumerate((5, 40, 23, 60, 9, 30))]

@@ -63,6 +63,25 @@ def test_hash_keeps_tokens_and_chains(student):
         blocks = {tuple(rng.randrange(100) for _ in range(4)) for _ in range(300)}
         values = {_hash(student, None, b).hash_value for b in blocks}
         assert len(values) == len(blocks), f"{len(blocks)} different blocks gave only {len(values)} hash values"
+    _check_structured_blocks(student)
+
+
+def _check_structured_blocks(student):
+    """Structured blocks, not random ones: a block's tokens in another order are another block, and a
+    chain that repeats a block must not cancel out (hash_value = parent ^ hash(tokens) maps block 4 of
+    [A, B, B, C] onto block 2 of [A, C]: a lookup of [A, C] would take KV computed after [A, B, B])."""
+    a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    kvm = build_manager(8, {"abbc": [0, 1, 2, 3, 4]}, caching=True)
+    with plug(student, LAB):
+        first, reordered = _hash(student, None, a), _hash(student, None, a[::-1])
+        assert first.hash_value != reordered.hash_value, (
+            f"hash_block_tokens(None, {a}) and (None, {a[::-1]}) got the same hash_value {first.hash_value}: the "
+            f"order of the tokens must enter the hash")
+        kvm.cache_blocks(make_request("abbc", a + b + b + c + [13]), 16)  # 4 full blocks cached, with your hash
+        blocks, num = kvm.get_computed_blocks(make_request("ac", a + c + [13]))
+    assert (len(blocks), num) == (1, 4), (
+        f"[A, B, B, C] is cached (A = {a}, B = {b}, C = {c}); a request [A, C, 13] may reuse only block A, got "
+        f"{len(blocks)} blocks ({num} tokens): its second block [C] after [A] hashed like C after [A, B, B]")
 
 
 @pytest.mark.points(1)
@@ -145,13 +164,21 @@ def test_lookup_longest_cached_prefix(student):
 @pytest.mark.points(1)
 @pytest.mark.task("get_computed_blocks")
 def test_lookup_never_full_hit(student):
-    """The last token is always computed (its logits give the next token): hits cover <= num_tokens - 1."""
+    """The last token is always computed (its logits give the next token): hits cover <= num_tokens - 1,
+    generated tokens included."""
     kvm = _warm(list(range(1, 9)) + [70])  # blocks [1-4] and [5-8] cached
     for tokens, want in ((list(range(1, 9)), 1), (list(range(1, 10)), 2), (list(range(1, 5)), 0)):
         blocks, num = _lookup(student, kvm, make_request("b", tokens))
         assert (len(blocks), num) == (want, 4 * want), (
             f"blocks [1-4] and [5-8] are cached; a request of {len(tokens)} tokens {tokens} may reuse at most "
             f"{len(tokens) - 1} tokens: expected {want} blocks ({4 * want} tokens), got {len(blocks)} ({num})")
+    # a request preempted by recompute comes back with the tokens it generated: they can hit the cache too
+    req = make_request("c", list(range(1, 6)))  # a 5-token prompt that generated 6 tokens: [1..11]
+    req.output_token_ids = list(range(6, 12))
+    blocks, num = _lookup(student, kvm, req)
+    assert (len(blocks), num) == (2, 8), (
+        f"blocks [1-4] and [5-8] are cached; a request with prompt [1..5] and generated tokens [6..11] has 11 tokens "
+        f"and may reuse 2 blocks (8 tokens: the cap is num_tokens - 1, not the prompt), got {len(blocks)} ({num})")
 
 
 @pytest.mark.points(1)
