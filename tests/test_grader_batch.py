@@ -17,14 +17,12 @@ from grader.labs import REPO_ROOT
 pytestmark = pytest.mark.slow  # ~30 s: a reference run and a dozen children, each importing the engine
 
 SOLUTION = REPO_ROOT / "solutions" / "00_warmup" / "00_warmup.ipynb"
-STUB = REPO_ROOT / "labs" / "00_warmup" / "00_warmup.ipynb"
 ANSWER = "return (num_tokens + block_size - 1) // block_size"
 TIMEOUT_S = 300  # generous: a loaded machine must not time out a correct child (the time limit is tested alone)
 
-# name -> replacement of the solution's answer line, or an (old, new) edit (None: the released stub)
+# name -> replacement of the solution's answer line, or an (old, new) edit
 SUBMISSIONS = {
     "correct": ANSWER,
-    "stub": None,
     "half_right": "return max(1, (num_tokens + block_size - 1) // block_size)",  # wrong for 0 tokens only
     "segfault": "import os, signal\n    os.kill(os.getpid(), signal.SIGSEGV)",
     "memory_hog": "return len(bytearray(2**34))",
@@ -50,14 +48,13 @@ SUBMISSIONS = {
 }
 
 
-def make_submission(root: Path, student: str, answer: str | tuple[str, str] | None) -> None:
+def make_submission(root: Path, student: str, answer: str | tuple[str, str]) -> None:
     folder = root / student / "00_warmup"  # nbgrader's submitted/<student>/<assignment>/ layout
     folder.mkdir(parents=True)
-    nb = nbformat.read(STUB if answer is None else SOLUTION, as_version=4)
+    nb = nbformat.read(SOLUTION, as_version=4)
     old, new = answer if isinstance(answer, tuple) else (ANSWER, answer)
-    if answer is not None:
-        for cell in nb.cells:
-            cell.source = cell.source.replace(old, new)
+    for cell in nb.cells:
+        cell.source = cell.source.replace(old, new)
     nbformat.write(nb, folder / "00_warmup.ipynb")
     # a copy of the tests that always pass, next to the notebook: must never be used
     (folder / "test_fake.py").write_text("def test_everything():\n    pass\n")
@@ -96,10 +93,9 @@ def test_grades_csv_has_one_row_per_student_and_official_test(batch):
         "test_the_scheduler_sizes_block_tables_with_it"], student
 
 
-def test_correct_stub_and_half_right_are_graded_on_their_merits(batch):
+def test_correct_and_half_right_are_graded_on_their_merits(batch):
     rows, _, _ = batch
     assert total(rows["correct"]) == 5
-    assert total(rows["stub"]) == 0 and {r["status"] for r in rows["stub"]} == {"failed"}
     assert total(rows["half_right"]) == 3
     failed = {r["test"]: r["message"] for r in rows["half_right"] if r["status"] == "failed"}
     assert failed["test_edge_cases"] == "num_blocks_needed(0, 16): no tokens, no block\n  expected: 0\n  got:      1"
