@@ -7,7 +7,7 @@ with its expected value written in the call (the pattern of docs/authoring_labs.
 """
 import pytest
 
-from grader.harness import FakeRunner, make_request, make_scheduler, reference_output, step
+from grader.harness import FakeRunner, make_request, make_scheduler, reference_output, run_to_completion, step
 from grader.observe import expect_equal
 from grader.plug import plug
 
@@ -77,11 +77,7 @@ def test_the_scheduler_sizes_block_tables_with_it(student):
         step(sched, runner)
         # after step 1 all three prompts are computed (budget 16 covers 9 + 4 + 3 of c's 13: c is chunked)
         tables = {rid: len(sched.kv_cache_manager.get_block_ids(rid)) for rid, _, _ in WORKLOAD}
-        outputs = {}
-        while sched.has_unfinished_requests():
-            out = sched.schedule()
-            for req in sched.update_from_output(out, runner.execute(out)):
-                outputs[req.request_id] = list(req.output_token_ids)
+        outputs = run_to_completion(sched, runner, max_steps=100)
     expect_equal(tables, {"a": 3, "b": 1, "c": 1},
                  "block tables after step 1 (budget 16: a's 9 prompt tokens, b's 4, c's first 3 of 13; blocks of 4)")
     expect_equal(outputs, {rid: reference_output([(3 * k + len(rid)) % 40 + 1 for k in range(n)], m)

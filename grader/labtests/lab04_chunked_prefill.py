@@ -15,7 +15,7 @@ import random
 import pytest
 
 from grader.harness import (FakeRunner, RequestStatus, ScheduledChunk, SchedulerOutput, assert_no_leaked_blocks,
-                            make_request, make_scheduler, reference_output, run_engine, step)
+                            make_request, make_scheduler, reference_output, run_engine, run_to_completion, step)
 from grader.plug import plug
 
 LAB = "04_chunked_prefill"
@@ -166,9 +166,7 @@ def test_admit_prefix_hit_starts_after_cached_tokens(student):
         f"{stats['prefix_cache_queries']} queries, {stats['prefix_cache_hits']} hits")
     outputs = {r.request_id: r.output_token_ids for r in sched.update_from_output(out, runner.execute(out))}
     with plug(student, LAB):
-        while sched.has_unfinished_requests():
-            for r in sched.update_from_output(out := sched.schedule(), runner.execute(out)):
-                outputs[r.request_id] = r.output_token_ids
+        run_to_completion(sched, runner, max_steps=200, outputs=outputs)
     assert outputs["b"] == reference_output(list(range(1, 9)) + [30, 31, 32], 3), "b's tokens are wrong after the hit"
 
 
