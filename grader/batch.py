@@ -1,13 +1,23 @@
 """`python -m grader batch SUBMISSIONS_DIR --lab NN_name [--jobs N]`: grade a folder of submissions.
 
-Each submission (a folder per student holding `NN_name.ipynb` anywhere below it, as in
-nbgrader's `submitted/<student>/NN_name/`) is graded by its own process (grader/child.py)
-with a wall-clock and a memory limit, in a scratch folder holding only its notebook and a
-private copy of the kit (grader, engine_core, kernels as they were when the batch started),
-so no file of the submission is ever imported and an edited kit file is caught and
-attributed without touching the real one. A
-submission that hangs, crashes or tampers scores zero with the reason; the rest go on.
-Writes `grades.csv` (student, test, points, status, message) and `report.html`.
+The pass/fail decision is made here, in the trusted parent, never in a submission's process:
+
+1. Once per batch, a trusted child process (grader/child.py) runs the lab's official tests on the
+   lab's solution notebook against the real kit and records every test's observations
+   (grader/observe.py): the reference log.
+2. Each submission (a folder per student holding `NN_name.ipynb` anywhere below it, as in
+   nbgrader's `submitted/<student>/NN_name/`) runs in its own child process, with a wall-clock and
+   a memory limit, in a scratch folder holding only its notebook and a private grading kit
+   (grader/kit.py): the test module with every expected value and message removed, the engine
+   with the lab's seam bodies removed. It records its observations the same way.
+3. The parent compares the two logs (grader/compare.py): a test passes only if every observation
+   matches the reference's and the test reached its end. A test that recorded nothing is "not
+   verifiable"; a test whose code ran the engine's implementation of the piece scores 0 as
+   "uses the reference implementation".
+
+A submission that hangs, crashes, edits its kit or writes into the output folder scores zero with
+the reason; the rest go on. Writes `grades.csv` (student, test, points, status, message) and
+`report.html`.
 """
 from __future__ import annotations
 
@@ -15,25 +25,27 @@ import argparse
 import csv
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from grader import integrity
+from grader.compare import NOT_VERIFIABLE, TestLog, compare_test, read_log
+from grader.delegation import is_delegation
+from grader.kit import kit_files, write_kit
 from grader.labs import REPO_ROOT, check_lab_name, official_tests
 from grader.report import write_html
-from grader.results import TestResult
+from grader.results import DELEGATED, FAILED, PASSED, SKIPPED, UNVERIFIABLE, Graded, TestResult
 
-KIT_PACKAGES = ("grader", "engine_core", "kernels")  # copied for each child; it must not change them
-Kit = dict[str, dict[str, bytes]]
+Kit = dict[str, bytes]
+REFERENCE_TIMEOUT_S = 1800.0  # the trusted run of the solution: never cut short by a submission's limit
 
 
 @dataclass
@@ -42,29 +54,29 @@ class Submission:
     notebook: Path | None
 
 
-@dataclass
-class Graded:
-    """One student's results; `reason` is set when the whole submission scored zero."""
-
-    student: str
-    results: list[TestResult]
-    reason: str = ""
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def points(self) -> float:
-        return sum(r.points for r in self.results)
-
-    @property
-    def max_points(self) -> float:
-        return sum(r.max_points for r in self.results)
-
-
 @dataclass(frozen=True)
 class Limits:
     timeout_s: float
     memory_bytes: int
     threads: int = 1  # torch/OpenMP threads per submission: jobs x threads <= cores, or OpenMP spin-waits thrash
+
+
+@dataclass
+class ChildRun:
+    """What a grading process left: exit code (None: timed out), output, observation log, outcomes."""
+
+    code: int | None
+    output: str
+    log: dict[str, TestLog]
+    outcomes: dict | None  # {"results": [...], "cell_errors": [...]} as the child wrote it (untrusted)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The trusted run of the lab's solution: observations and each test's outcome."""
+
+    log: dict[str, TestLog]
+    outcomes: dict[str, dict]  # test name -> TestResult.to_dict()
 
 
 def find_submissions(root: Path, lab: str) -> list[Submission]:
@@ -85,42 +97,22 @@ def _zero(template: list[TestResult], status: str, reason: str) -> list[TestResu
     return [TestResult(r.name, r.task, r.max_points, status, reason) for r in template]
 
 
-def snapshot_kit() -> Kit:
-    return {package: integrity.tree_digest(REPO_ROOT / package) for package in KIT_PACKAGES}
-
-
-def _write_kit(kit: Kit, root: Path) -> None:
-    for package, files in kit.items():
-        for name, data in files.items():
-            path = root / package / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
-
-
-def _run_child(sub: Submission, lab: str, limits: Limits, kit_files: Kit, scratch: Path) -> tuple[int | None, str, Path, bytes]:
-    """Starts and waits for the grading process; returns (exit code or None on timeout, log, result, key)."""
-    work, kit = scratch / "work", scratch / "kit"
+def run_child(notebook: Path, lab: str, scratch: Path, pythonpath: Path, limits: Limits,
+              memory_limit: bool = True) -> ChildRun:
+    """Runs grader/child.py on `notebook` with `pythonpath` first on the path; waits at most the time limit."""
+    work = scratch / "work"
     work.mkdir()
-    _write_kit(kit_files, kit)
-    notebook = work / f"{lab}.ipynb"
-    shutil.copyfile(sub.notebook, notebook)
-    result = scratch / "result.json"
-    key = secrets.token_bytes(32)
-    env = {**os.environ, "PYTHONPATH": str(kit), "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1",
+    local = work / f"{lab}.ipynb"
+    shutil.copyfile(notebook, local)
+    log, outcomes = scratch / "observations.jsonl", scratch / "outcomes.json"
+    env = {**os.environ, "PYTHONPATH": str(pythonpath), "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": str(limits.threads)}
-    log_path = scratch / "log.txt"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "grader.child", "--lab", lab, "--notebook", str(notebook),
-             "--result", str(result), "--memory-bytes", str(limits.memory_bytes)],
-            cwd=work, env=env, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-            process_group=0,
-        )
-        try:
-            proc.stdin.write(key.hex().encode() + b"\n")
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
+    command = [sys.executable, "-m", "grader.child", "--lab", lab, "--notebook", str(local), "--log", str(log),
+               "--results", str(outcomes), "--memory-bytes", str(limits.memory_bytes if memory_limit else 0)]
+    output_path = scratch / "output.txt"
+    with open(output_path, "w") as output:
+        proc = subprocess.Popen(command, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=output,
+                                stderr=subprocess.STDOUT, process_group=0)
         try:
             code: int | None = proc.wait(timeout=limits.timeout_s)
         except subprocess.TimeoutExpired:
@@ -131,18 +123,72 @@ def _run_child(sub: Submission, lab: str, limits: Limits, kit_files: Kit, scratc
             except ProcessLookupError:
                 pass
             proc.wait()
-    return code, log_path.read_text(errors="replace"), result, key
+    try:
+        data = json.loads(outcomes.read_text())
+        parsed = data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        parsed = None
+    return ChildRun(code, output_path.read_text(errors="replace"), read_log(log), parsed)
 
 
-def _crash_reason(code: int, log: str) -> str:
+def run_reference(lab: str, limits: Limits) -> Reference:
+    """The trusted run: the lab's solution notebook, the real kit, no memory limit."""
+    solution = REPO_ROOT / "solutions" / lab / f"{lab}.ipynb"
+    if not solution.is_file():
+        raise ValueError(f"batch grading compares with the solution, and {solution} is missing")
+    limits = replace(limits, timeout_s=max(limits.timeout_s, REFERENCE_TIMEOUT_S))
+    with tempfile.TemporaryDirectory(prefix=f"reference-{lab}-") as tmp:
+        run = run_child(solution, lab, Path(tmp), REPO_ROOT, limits, memory_limit=False)
+    if run.code != 0 or run.outcomes is None:
+        raise RuntimeError(f"the reference run of lab {lab}'s solution failed (exit {run.code}):\n{run.output[-3000:]}")
+    return Reference(run.log, {r["name"]: r for r in run.outcomes["results"]})
+
+
+def _crash_reason(code: int, output: str) -> str:
     if code < 0:
         return f"crashed: the grading process died of {signal.Signals(-code).name}"
-    tail = [line for line in log.strip().splitlines() if line.strip()][-1:] or [""]
+    tail = [line for line in output.strip().splitlines() if line.strip()][-1:] or [""]
     return f"crashed: the grading process exited with code {code} before finishing ({tail[0][:200]})"
 
 
-def grade_submission(sub: Submission, lab: str, limits: Limits, kit: Kit, out_dir: Path) -> Graded:
-    """Grades one submission in a child process and judges what came back."""
+def _learner_messages(outcomes: dict | None) -> dict[str, str]:
+    """Each test's failure message as the submission's process reported it (explanations only)."""
+    found: dict[str, str] = {}
+    try:
+        for r in (outcomes or {}).get("results", []):
+            found[str(r["name"])] = str(r.get("message", ""))
+    except (TypeError, KeyError, AttributeError):
+        pass
+    return found
+
+
+def judge(template: list[TestResult], reference: Reference, run: ChildRun) -> list[TestResult]:
+    """Each official test's result from the two logs; the child's own messages only explain failures."""
+    said = _learner_messages(run.outcomes)
+    results = []
+    for t in template:
+        ref_outcome = reference.outcomes.get(t.name, {})
+        if ref_outcome.get("status") == SKIPPED:
+            results.append(TestResult(t.name, t.task, t.max_points, SKIPPED, ref_outcome.get("message", "")))
+            continue
+        mine = run.log.get(t.name)
+        passed, message = compare_test(reference.log.get(t.name), mine)
+        delegation = next((m for m in (said.get(t.name, ""), mine.error if mine else "") if is_delegation(m)), None)
+        if passed:
+            status = PASSED
+        elif delegation is not None:
+            status, message = DELEGATED, delegation
+        elif message.startswith(NOT_VERIFIABLE):
+            status = UNVERIFIABLE
+        else:
+            status = FAILED
+        results.append(TestResult(t.name, t.task, t.max_points, status, "" if passed else message))
+    return results
+
+
+def grade_submission(sub: Submission, lab: str, limits: Limits, kit: Kit, reference: Reference,
+                     out_dir: Path) -> Graded:
+    """Grades one submission in a child process against the grading kit and judges its log."""
     template = _official_maxima(lab)
     if sub.notebook is None:
         return Graded(sub.student, _zero(template, "missing", f"no {lab}.ipynb in the submission"), "missing notebook")
@@ -150,37 +196,31 @@ def grade_submission(sub: Submission, lab: str, limits: Limits, kit: Kit, out_di
     tampering = []
     with tempfile.TemporaryDirectory(prefix=f"grade-{lab}-") as tmp:
         scratch = Path(tmp)
-        code, log, result_path, key = _run_child(sub, lab, limits, kit, scratch)
-        for package, before in kit.items():
-            changed = integrity.changed_files(before, scratch / "kit" / package)
-            if changed:
-                tampering.append(f"edited the kit's files {[f'{package}/{c}' for c in changed]}")
-        payload = result_path.read_text() if result_path.is_file() else ""
+        write_kit(kit, scratch / "kit")
+        run = run_child(sub.notebook, lab, scratch, scratch / "kit", limits)
+        changed = integrity.changed_files(kit, scratch / "kit")
+        if changed:
+            tampering.append(f"edited the kit's files {changed[:10]}")
 
     out_changed = integrity.changed_files(out_before, out_dir)
     if out_changed:
         tampering.append(f"wrote into the grading output folder {out_changed}")
         integrity.restore(out_before, out_dir)
 
-    if code is None:
+    if run.code is None:
         return Graded(sub.student, _zero(template, "timeout", f"timed out after {limits.timeout_s:g} s"),
                       f"timed out after {limits.timeout_s:g} s (an endless loop?)")
     if tampering:
         reason = "tampered: " + "; ".join(tampering)
         return Graded(sub.student, _zero(template, "tampered", reason), reason)
-    if code != 0 or not payload:
-        reason = _crash_reason(code, log)
+    if run.code != 0 or run.outcomes is None:
+        reason = _crash_reason(run.code, run.output)
         return Graded(sub.student, _zero(template, "crashed", reason), reason)
-    body, _, signature = payload.rstrip("\n").rpartition("\n")
-    if not integrity.verify(key, body, signature.strip()):
-        reason = "tampered: the result file was forged or altered"
-        return Graded(sub.student, _zero(template, "tampered", reason), reason)
-    data = json.loads(body)
-    if data["tampered"]:
-        reason = f"tampered: replaced grader/pytest functions {data['tampered'][:10]}"
-        return Graded(sub.student, _zero(template, "tampered", reason), reason)
-    results = [TestResult(r["name"], r["task"], r["max_points"], r["status"], r["message"]) for r in data["results"]]
-    return Graded(sub.student, results, notes=data.get("cell_errors", []))
+    notes = run.outcomes.get("cell_errors", []) if isinstance(run.outcomes.get("cell_errors"), list) else []
+    results = judge(template, reference, run)
+    delegated = [r.name for r in results if r.status == DELEGATED]
+    reason = f"uses the reference implementation in {len(delegated)} tests" if delegated else ""
+    return Graded(sub.student, results, reason, notes=[str(n) for n in notes])
 
 
 def write_csv(graded: list[Graded], path: Path) -> None:
@@ -192,8 +232,10 @@ def write_csv(graded: list[Graded], path: Path) -> None:
                 writer.writerow([g.student, r.name, f"{r.points:g}", r.status, r.message])
 
 
-def grade_all(root: Path, lab: str, limits: Limits, out_dir: Path, jobs: int = 1) -> list[Graded]:
-    """Grades every submission under `root` (`jobs` at a time); writes grades.csv and report.html."""
+def grade_all(root: Path, lab: str, limits: Limits, out_dir: Path, jobs: int = 1,
+              reference: Reference | None = None) -> list[Graded]:
+    """Grades every submission under `root` (`jobs` at a time) against the reference run (made
+    here once unless given); writes grades.csv and report.html."""
     check_lab_name(lab)
     if not root.is_dir():
         raise ValueError(f"SUBMISSIONS_DIR must be a folder, got {root}")
@@ -204,10 +246,11 @@ def grade_all(root: Path, lab: str, limits: Limits, out_dir: Path, jobs: int = 1
     limits = replace(limits, threads=max(1, (os.cpu_count() or 1) // jobs))
     out_dir.mkdir(parents=True, exist_ok=True)
     submissions = find_submissions(root, lab)
+    kit = kit_files(lab)
+    reference = reference or run_reference(lab, replace(limits, threads=os.cpu_count() or 1))
     graded: dict[str, Graded] = {}
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        kit = snapshot_kit()
-        futures = [pool.submit(grade_submission, s, lab, limits, kit, out_dir) for s in submissions]
+        futures = [pool.submit(grade_submission, s, lab, limits, kit, reference, out_dir) for s in submissions]
         for future in tqdm(as_completed(futures), total=len(futures), desc=f"grading {lab}", unit="submission"):
             g = future.result()
             graded[g.student] = g

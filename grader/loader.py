@@ -97,6 +97,7 @@ class NotebookModule(types.ModuleType):
 
     __notebook__: str
     __cell_errors__: list[CellError]
+    __sources__: dict[str, str]  # "cell N of <notebook>" -> the code that ran (grader/delegation.py scans it)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") and name.endswith("__"):
@@ -140,12 +141,14 @@ def load_notebook(
     module = NotebookModule(name, f"graded code of {label}")
     module.__notebook__ = label
     module.__cell_errors__ = []
+    module.__sources__ = {}
     module.__file__ = str(path.resolve())
     sys.modules[name] = module  # dataclasses and pickle look modules up by name
     for (number, _), source in zip(numbered, sources):
         filename = f"cell {number} of {label}"
         code_text = _strip_magics(source)
         _register_source(filename, code_text)
+        module.__sources__[filename] = code_text
         try:
             exec(compile(code_text, filename, "exec", dont_inherit=True), module.__dict__)
         except BaseException as exc:  # noqa: BLE001 - any learner error, even SystemExit, is data

@@ -7,6 +7,8 @@
   module a caller put in `config.stash[STUDENT_PROVIDER]`: check() and batch grading).
 - `points(n)` and `task(name)` markers; `gpu` / `perf` tests skip with a reason without CUDA.
 - Every run ends with points earned out of points possible per task.
+- With an `Observing` plugin (batch grading) each test's `expect_*` observations are recorded,
+  between a start and an end mark per test (grader/observe.py).
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from typing import Callable
 
 import pytest
 
+from grader.delegation import DelegationError
 from grader.labs import import_tests, lab_of_notebook
 from grader.loader import StudentCodeError, load_notebook
+from grader.observe import Recorder, set_recorder
 from grader.results import FAILED, PASSED, SKIPPED, TestResult, format_points_table
 
 __all__ = [
@@ -38,6 +42,7 @@ MARKERS = [
     "task(name): the graded task the test belongs to (default: the test name without test_)",
     "gpu: needs a CUDA device (skipped with a reason where there is none)",
     "perf: a throughput target; runs only on a CUDA device, after correctness",
+    "end_to_end: runs the whole engine with the learner's functions plugged in (each must be called)",
 ]
 MAX_MESSAGE = 3000
 
@@ -112,8 +117,6 @@ def points_of(item: pytest.Item) -> float:
     return float(marker.args[0]) if marker is not None else 0.0
 
 
-
-
 def task_of(item: pytest.Item) -> str:
     marker = item.get_closest_marker("task")
     if marker is not None:
@@ -124,7 +127,7 @@ def task_of(item: pytest.Item) -> str:
 
 def describe_failure(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
     """The error in one or two lines, plus where in the learner's notebook it was raised."""
-    if isinstance(excinfo.value, StudentCodeError):
+    if isinstance(excinfo.value, (StudentCodeError, DelegationError)):
         return str(excinfo.value)
     message = excinfo.exconly().strip()
     learner_frames = [e for e in excinfo.traceback if str(e.path).startswith("cell ")]
@@ -163,3 +166,27 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
             if len(by_file) > 1:
                 terminalreporter.write_line(f"{file}:")
             terminalreporter.write_line(format_points_table(file_results))
+
+
+class Observing:
+    """Records each test's observations into a JSON-lines log (batch grading, both sides)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.recorder = Recorder(path)
+
+    def pytest_configure(self, config: pytest.Config) -> None:
+        set_recorder(self.recorder)
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        set_recorder(None)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item):
+        self.recorder.start(item.name)
+        try:
+            result = yield
+        except BaseException as exc:
+            self.recorder.finish(False, describe_failure(pytest.ExceptionInfo.from_exception(exc)))
+            raise
+        self.recorder.finish(True)
+        return result

@@ -3,15 +3,13 @@ from __future__ import annotations
 
 from html import escape
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from grader.batch import Graded
+from grader.results import Graded
 
 STYLE = """body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin-bottom:1.5em}
 td,th{border:1px solid #ccc;padding:4px 8px;vertical-align:top;text-align:left}
-.passed{background:#e6f4ea}.failed,.timeout,.crashed,.tampered,.missing{background:#fce8e6}
-.skipped{background:#f1f3f4}pre{white-space:pre-wrap;margin:0;font-size:90%}"""
+.passed{background:#e6f4ea}.failed,.delegated,.timeout,.crashed,.tampered,.missing{background:#fce8e6}
+.skipped,.unverifiable{background:#f1f3f4}pre{white-space:pre-wrap;margin:0;font-size:90%}"""
 
 
 def write_html(graded: list[Graded], lab: str, path: Path) -> None:
@@ -39,6 +37,6 @@ def write_html(graded: list[Graded], lab: str, path: Path) -> None:
     path.write_text(
         f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(lab)} grades</title>"
         f"<style>{STYLE}</style></head><body><h1>{escape(lab)}: {len(graded)} submissions</h1>"
-        "<table><tr><th>student</th><th>points</th><th>zero because</th></tr>"
+        "<table><tr><th>student</th><th>points</th><th>reason</th></tr>"
         f"{rows}</table>{''.join(details)}</body></html>"
     )

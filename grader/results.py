@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
+DELEGATED, UNVERIFIABLE = "delegated", "unverifiable"  # batch grading: uses the reference; no observations
 
 
 @dataclass
@@ -17,7 +18,7 @@ class TestResult:
     name: str  # the test function's name, e.g. "test_num_blocks_partial_block"
     task: str
     max_points: float
-    status: str = PASSED  # passed / failed / skipped, or a batch-level reason (timeout, crashed ...)
+    status: str = PASSED  # passed / failed / skipped / delegated / unverifiable, or a batch-level reason (timeout ...)
     message: str = ""
 
     @property
@@ -52,3 +53,22 @@ def format_points_table(results: Iterable[TestResult]) -> str:
         line = f"{task:<{width}}  {got:g} / {out_of:g}"
         lines.append(f"{line}   ({note})" if note else line)
     return "\n".join(lines)
+
+
+@dataclass
+class Graded:
+    """One student's batch results; `reason` says why the whole submission scored zero (timeout, crash ...)
+    or which of its tests used the reference implementation."""
+
+    student: str
+    results: list[TestResult]
+    reason: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def points(self) -> float:
+        return sum(r.points for r in self.results)
+
+    @property
+    def max_points(self) -> float:
+        return sum(r.max_points for r in self.results)

@@ -83,11 +83,13 @@ def run_tests(
     tests: Sequence[str] | None = None,
     pytest_args: Sequence[str] = (),
     plugins: Sequence[object] = (),
+    observe_to: str | os.PathLike[str] | None = None,
 ) -> list[TestResult]:
     """Runs `tests` (default: all) of `lab`; `provider()` returns the student module.
 
     `provider` is called by every test that uses the `student` fixture, after collection:
-    cache it when the module should be built once.
+    cache it when the module should be built once. `observe_to`: a file that receives each
+    test's observations (grader/observe.py), as batch grading needs.
     """
     check_lab_name(lab)
     names = test_names(lab)
@@ -102,6 +104,8 @@ def run_tests(
     args = [f"{path}::{name}" for name in selected]
     args += ["-q", "-p", "no:cacheprovider", "--capture=sys", "-o", "addopts=", *QUIET_PLUGINS, *pytest_args]
     provide = _Provide(provider)
+    if observe_to is not None:
+        plugins = [*plugins, plugin.Observing(observe_to)]
     sink = io.StringIO()
     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
         code = pytest.main(args, plugins=[plugin, provide, *plugins])

@@ -1,23 +1,58 @@
-"""`python -m grader.selftest NN_name`: one lab's tests on its solution, its stub and each planted bug.
+"""`python -m grader.selftest NN_name`: one lab's tests against every variant the meta-test checks.
 
-Prints one JSON object: {"solution": [results], "stub": [results], "bugs": {name: [results]}}.
-The meta-test (tests/test_labs_meta.py) runs it once per lab in a subprocess: one interpreter
-start and one engine import per lab, not per variant.
+Prints one JSON object (tests/test_labs_meta.py runs it once per lab in a subprocess: one
+interpreter start and one engine import per lab, not per variant):
+
+- "solution": results on solutions/NN/NN.ipynb, observations recorded (the batch reference);
+  "plugs": every `plug` block of that run (test, plugged functions and their call counts);
+- "stub": results on the released labs/NN/NN.ipynb; "bugs": results per planted bug;
+- "engine": the unit tests (not end_to_end) with the engine's own functions as the student: the
+  tests and the engine agree;
+- "engine_tests": the engine's own unit tests (ENGINE_TESTS) with the solution's functions
+  plugged in: the solution and the engine agree;
+- "delegation": results of a notebook whose functions call the engine's captured originals, in
+  self-grading; "batch": `python -m grader batch` results of that notebook and of the solution.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import io
 import json
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
+from types import ModuleType
+from unittest import mock
 
+import pytest
+
+from grader import delegation
 from grader.labs import REPO_ROOT, bugs_path, check_lab_name, tests_module_name
 from grader.loader import load_notebook
-from grader.runner import run_tests, stderr_to_stdout
+from grader.plug import PLUG_LOG, plug
+from grader.runner import QUIET_PLUGINS, run_tests, stderr_to_stdout, test_names
+from grader.seams import resolve, seams_of
 
 PER_TEST_TIMEOUT_S = 120  # generous for the solution: a loaded 2-core machine
 BUG_TEST_TIMEOUT_S = 20  # a planted bug that loops forever fails its test instead of hanging
+# The engine's own unit tests of each lab's pieces, run with the solution's functions plugged in
+# (pytest arguments: files or node ids, and a -k filter leaving out what runs whole models).
+ENGINE_TESTS = {
+    "00_warmup": ("tests/test_kv_cache_manager.py",),
+    "01_kv_cache_math": ("tests/test_memory.py", "-k", "not matches_transformers"),
+    "02_paged_kv_blocks": ("tests/test_block_pool.py", "tests/test_kv_cache_manager.py"),
+    "03_preemption": ("tests/test_preemption.py", "-k", "not test_engine_"),
+    "04_chunked_prefill": ("tests/test_scheduler.py",),
+    "05_prefix_caching": ("tests/test_prefix_caching.py", "tests/test_block_pool.py", "-k", "not test_engine_"),
+    # the lab's kernel has num_splits 1 and no fp8 (later labs add them)
+    "06_paged_attention_kernel": tuple(f"tests/kernels/test_kernels_decode.py::test_decode_matches_oracle"
+                                       f"[torch.{dtype}-{group}-{block_size}-1]" for dtype in ("float32", "float16")
+                                       for group in (1, 2, 4) for block_size in (8, 16)),
+}
 
 
 def planted_bugs(lab: str) -> list:
@@ -26,24 +61,101 @@ def planted_bugs(lab: str) -> list:
     return list(importlib.import_module(f"{tests_module_name(lab)}_bugs").BUGS)
 
 
+def end_to_end_tests(lab: str) -> list[str]:
+    """The lab's tests marked `end_to_end`."""
+    from _pytest.mark.structures import get_unpacked_marks
+
+    from grader.labs import import_tests
+
+    module = import_tests(lab)
+    return [name for name in test_names(lab) if any(m.name == "end_to_end" for m in get_unpacked_marks(getattr(module, name)))]
+
+
+def delegation_source(lab: str) -> str:
+    """A graded cell that redefines each of the lab's functions as a call of the engine's own, captured at load."""
+    lines = []
+    for k, seam in enumerate(seams_of(lab)):
+        module, _, name = seam.owner.rpartition(".")
+        if isinstance(resolve(seam.owner), ModuleType):
+            lines.append(f"import {seam.owner} as _owner_{k}")
+        else:
+            lines.append(f"from {module} import {name} as _owner_{k}")
+        lines += [f"_captured_{k} = _owner_{k}.{seam.attr}",
+                  f"def {seam.student_name}(*args, **kwargs):",
+                  f"    return _captured_{k}(*args, **kwargs)"]
+    return "\n".join(lines) + "\n"
+
+
+def write_delegation_notebook(lab: str, path: Path) -> None:
+    nb = json.loads((REPO_ROOT / "solutions" / lab / f"{lab}.ipynb").read_text())
+    nb["cells"].append({"cell_type": "code", "execution_count": None, "id": "delegation", "outputs": [],
+                        "metadata": {"nbgrader": {"grade": False, "grade_id": "delegation", "locked": False,
+                                                  "schema_version": 3, "solution": True}},
+                        "source": delegation_source(lab)})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(nb))
+
+
+class Collect:
+    """A pytest plugin: each test's outcome as {"name", "status", "message"}."""
+
+    def __init__(self) -> None:
+        self.results: list[dict] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" or report.outcome != "passed":
+            message = "" if report.passed else str(report.longrepr)[-1500:]
+            self.results.append({"name": report.nodeid, "status": report.outcome, "message": message})
+
+
+class PlugEachTest:
+    """A pytest plugin: every test, fixtures included (a test's own monkeypatch of a seam is undone inside
+    the plug), runs inside `plug(module, lab)`: the engine's unit tests with the solution plugged in."""
+
+    def __init__(self, module: ModuleType, lab: str) -> None:
+        self.module, self.lab = module, lab
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None):
+        with plug(self.module, self.lab):
+            return (yield)
+
+
+def run_engine_tests(lab: str, solution: ModuleType) -> list[dict]:
+    """The engine's unit tests of the lab's pieces with the solution's functions in place (no tripwires:
+    these tests also call the engine's helpers directly)."""
+    collect = Collect()
+    args = [str(REPO_ROOT / a) if a.startswith("tests/") else a for a in ENGINE_TESTS[lab]]
+    args += ["-q", "-p", "no:cacheprovider", "-o", "addopts=", *QUIET_PLUGINS, f"--timeout={PER_TEST_TIMEOUT_S}"]
+    sink = io.StringIO()
+    with mock.patch.object(delegation, "arm", lambda *a, **k: None), contextlib.redirect_stdout(sink):
+        pytest.main(args, plugins=[PlugEachTest(solution, lab), collect])
+    return collect.results
+
+
 def selftest(lab: str) -> dict:
     check_lab_name(lab)
     solution = REPO_ROOT / "solutions" / lab / f"{lab}.ipynb"
     stub = REPO_ROOT / "labs" / lab / f"{lab}.ipynb"
     args = [f"--timeout={PER_TEST_TIMEOUT_S}"]
     bug_args = [f"--timeout={BUG_TEST_TIMEOUT_S}", "--exitfirst"]  # one failing test is enough to catch a bug
-
     seconds: dict[str, float] = {}
+    scratch = Path(tempfile.mkdtemp(prefix=f"selftest-{lab}-"))
 
-    def run(variant: str, path, edits=None, pytest_args=args) -> list[dict]:
+    def run(variant: str, path, edits=None, pytest_args=args, tests=None, observe_to=None, module=None) -> list[dict]:
         start = time.perf_counter()
-        provider = functools.cache(lambda: load_notebook(path, edits=edits))
-        results = run_tests(lab, provider, pytest_args=pytest_args)
+        provider = functools.cache(lambda: module if module is not None else load_notebook(path, edits=edits))
+        results = run_tests(lab, provider, tests, pytest_args=pytest_args, observe_to=observe_to)
         seconds[variant] = round(time.perf_counter() - start, 2)
         return [r.to_dict() for r in results]
 
-    report = {"solution": run("solution", solution), "stub": run("stub", stub) if stub.is_file() else None,
-              "bugs": {}, "seconds": seconds}
+    report: dict = {"seconds": seconds}
+    PLUG_LOG.clear()
+    report["solution"] = run("solution", solution, observe_to=scratch / "reference.jsonl")
+    report["plugs"] = [vars(r) for r in PLUG_LOG]
+    report["end_to_end"] = end_to_end_tests(lab)
+    report["stub"] = run("stub", stub) if stub.is_file() else None
+    report["bugs"] = {}
     for bug in planted_bugs(lab):
         try:
             results = run(bug.name, solution, bug.edits, bug_args)
@@ -52,7 +164,43 @@ def selftest(lab: str) -> dict:
             report["bugs"][bug.name] = results
         except ValueError as exc:  # the edit's `old` text is not in the solution any more
             report["bugs"][bug.name] = str(exc)
+
+    engine_student = load_notebook(solution)
+    for seam in seams_of(lab):
+        setattr(engine_student, seam.student_name, resolve(seam.dotted))
+    unit_tests = [t for t in test_names(lab) if t not in report["end_to_end"]]
+    with mock.patch.object(delegation, "arm", lambda *a, **k: None):  # the engine's functions are the student here
+        report["engine"] = run("engine", None, tests=unit_tests, module=engine_student)
+
+    start = time.perf_counter()
+    report["engine_tests"] = run_engine_tests(lab, load_notebook(solution))
+    seconds["engine_tests"] = round(time.perf_counter() - start, 2)
+
+    delegating = scratch / "submitted" / "delegation" / f"{lab}.ipynb"
+    write_delegation_notebook(lab, delegating)
+    report["delegation"] = run("delegation", delegating)
+    start = time.perf_counter()
+    report["batch"] = batch_results(lab, solution, scratch, report["solution"])
+    seconds["batch"] = round(time.perf_counter() - start, 2)
     return report
+
+
+def batch_results(lab: str, solution: Path, scratch: Path, solution_results: list[dict]) -> dict:
+    """`grade_all` on the delegation notebook (scratch/submitted/delegation) and, for a lab converted to
+    observations (an unconverted one is all "not verifiable" there), on the solution, against this
+    process's solution run."""
+    from grader.batch import Limits, Reference, grade_all
+    from grader.compare import read_log
+    from grader.kit import comparisons_left
+    from grader.labs import tests_path
+
+    root = scratch / "submitted"
+    if not comparisons_left(tests_path(lab).read_text()):
+        (root / "solution").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(solution, root / "solution" / f"{lab}.ipynb")
+    reference = Reference(read_log(scratch / "reference.jsonl"), {r["name"]: r for r in solution_results})
+    graded = grade_all(root, lab, Limits(600, 8 * 2**30), scratch / "grades", jobs=2, reference=reference)
+    return {g.student: [r.to_dict() for r in g.results] for g in graded}
 
 
 if __name__ == "__main__":

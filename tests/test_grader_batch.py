@@ -1,5 +1,6 @@
-"""`python -m grader batch`: every submission in its own limited process, zero with a reason for
-the ones that hang, crash or tamper, and everyone else still graded."""
+"""`python -m grader batch`: every submission in its own limited process, judged from its observations
+against a trusted reference run; zero with a reason for the ones that hang, crash, tamper or use the
+engine's own implementation, and everyone else still graded."""
 from __future__ import annotations
 
 import csv
@@ -10,46 +11,50 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from grader.batch import Limits, Reference, grade_all
 from grader.labs import REPO_ROOT
 
-pytestmark = pytest.mark.slow  # ~15 s: the endless-loop submission waits out its time limit
+pytestmark = pytest.mark.slow  # ~30 s: a reference run and a dozen children, each importing the engine
 
 SOLUTION = REPO_ROOT / "solutions" / "00_warmup" / "00_warmup.ipynb"
-STUB = REPO_ROOT / "labs" / "00_warmup" / "00_warmup.ipynb"
 ANSWER = "return (num_tokens + block_size - 1) // block_size"
-TIMEOUT_S = 15
+TIMEOUT_S = 300  # generous: a loaded machine must not time out a correct child (the time limit is tested alone)
 
-# name -> replacement of the solution's answer line, or an (old, new) edit (None: the released stub)
+# name -> replacement of the solution's answer line, or an (old, new) edit
 SUBMISSIONS = {
     "correct": ANSWER,
-    "stub": None,
     "half_right": "return max(1, (num_tokens + block_size - 1) // block_size)",  # wrong for 0 tokens only
-    "endless_loop": "while True:\n        pass",
-    "segfault": "import ctypes\n    ctypes.string_at(0)",
+    "segfault": "import os, signal\n    os.kill(os.getpid(), signal.SIGSEGV)",
     "memory_hog": "return len(bytearray(2**34))",
-    "tamper_monkeypatch": "return 0\nimport _pytest.python\n_pytest.python.Function.runtest = lambda self: None",
     "tamper_edit_tests": (
-        "return 0\nimport pathlib, grader.labtests\n"
-        "_p = pathlib.Path(grader.labtests.__file__).with_name('lab00_warmup.py')\n"
-        "_p.write_text(_p.read_text().replace('assert got == want', 'assert True'))"
+        "return 0\nimport grader.labtests\n"
+        "_p = __import__('pathlib').Path(grader.labtests.__file__).with_name('lab00_warmup.py')\n"
+        "_p.write_text(_p.read_text() + '\\n')"
     ),
-    "tamper_own_score": (
-        "return 0\nimport atexit, sys\n"
-        "_out = sys.argv[sys.argv.index('--result') + 1]\n"
-        "atexit.register(lambda: open(_out, 'w').write('{\"results\": [], \"tampered\": []}\\nfeedface\\n'))"
+    # its own outcomes and a log of completed tests, written at exit: the parent trusts neither
+    "forges_its_results": (
+        "return 0\nimport atexit, sys, json\n"
+        "_a = sys.argv\n"
+        "_TESTS = ['test_whole_blocks', 'test_partial_block', 'test_edge_cases', 'test_matches_specification', "
+        "'test_the_scheduler_sizes_block_tables_with_it']\n"
+        "def _forge():\n"
+        "    open(_a[_a.index('--results') + 1], 'w').write(json.dumps({'results': [], 'cell_errors': []}))\n"
+        "    open(_a[_a.index('--log') + 1], 'w').write(''.join(json.dumps({'test': t, 'observations': [], "
+        "'completed': True}) + '\\n' for t in _TESTS))\n"
+        "atexit.register(_forge)"
     ),
+    "delegates": "from engine_core.core.kv_cache_manager import cdiv\n    return cdiv(num_tokens, block_size)",
     "raises_at_import": ("def num_blocks_needed", "raise RuntimeError('boom at import')\ndef num_blocks_needed"),
 }
 
 
-def make_submission(root: Path, student: str, answer: str | tuple[str, str] | None) -> None:
+def make_submission(root: Path, student: str, answer: str | tuple[str, str]) -> None:
     folder = root / student / "00_warmup"  # nbgrader's submitted/<student>/<assignment>/ layout
     folder.mkdir(parents=True)
-    nb = nbformat.read(STUB if answer is None else SOLUTION, as_version=4)
+    nb = nbformat.read(SOLUTION, as_version=4)
     old, new = answer if isinstance(answer, tuple) else (ANSWER, answer)
-    if answer is not None:
-        for cell in nb.cells:
-            cell.source = cell.source.replace(old, new)
+    for cell in nb.cells:
+        cell.source = cell.source.replace(old, new)
     nbformat.write(nb, folder / "00_warmup.ipynb")
     # a copy of the tests that always pass, next to the notebook: must never be used
     (folder / "test_fake.py").write_text("def test_everything():\n    pass\n")
@@ -84,26 +89,26 @@ def test_grades_csv_has_one_row_per_student_and_official_test(batch):
     assert set(rows) == set(SUBMISSIONS) | {"no_notebook"}
     for student, student_rows in rows.items():
         assert [r["test"] for r in student_rows] == [
-            "test_whole_blocks", "test_partial_block", "test_edge_cases", "test_matches_specification"], student
+            "test_whole_blocks", "test_partial_block", "test_edge_cases", "test_matches_specification",
+        "test_the_scheduler_sizes_block_tables_with_it"], student
 
 
-def test_correct_stub_and_half_right_are_graded_on_their_merits(batch):
+def test_correct_and_half_right_are_graded_on_their_merits(batch):
     rows, _, _ = batch
-    assert total(rows["correct"]) == 4
-    assert total(rows["stub"]) == 0 and {r["status"] for r in rows["stub"]} == {"failed"}
-    assert total(rows["half_right"]) == 2
+    assert total(rows["correct"]) == 5
+    assert total(rows["half_right"]) == 3
     failed = {r["test"]: r["message"] for r in rows["half_right"] if r["status"] == "failed"}
-    assert "num_blocks_needed(0, 16) returned 1, expected 0" in failed["test_edge_cases"]
+    assert failed["test_edge_cases"] == "num_blocks_needed(0, 16): no tokens, no block\n  expected: 0\n  got:      1"
 
 
 @pytest.mark.parametrize(
     "student, status, reason",
     [
-        ("endless_loop", "timeout", f"timed out after {TIMEOUT_S} s"),
         ("segfault", "crashed", "died of SIGSEGV"),
-        ("tamper_monkeypatch", "tampered", "_pytest.python.Function.runtest"),
         ("tamper_edit_tests", "tampered", "grader/labtests/lab00_warmup.py"),
-        ("tamper_own_score", "tampered", "result file was forged"),
+        ("forges_its_results", "failed", "checks"),
+        ("delegates", "delegated", "uses the reference implementation: your `num_blocks_needed` calls the engine's "
+                                   "kv_cache_manager.cdiv"),
         ("no_notebook", "missing", "no 00_warmup.ipynb"),
     ],
 )
@@ -134,3 +139,12 @@ def test_the_html_report_lists_everyone(batch):
     html = (out / "report.html").read_text()
     for student in SUBMISSIONS:
         assert f"id='{student}'" in html
+
+
+def test_a_submission_past_the_time_limit_scores_zero(tmp_path):
+    """The time limit alone (no reference needed: the verdict comes before any comparison)."""
+    make_submission(tmp_path / "submitted", "endless_loop", "while True:\n        pass")
+    limits = Limits(timeout_s=3, memory_bytes=2**31)
+    (graded,) = grade_all(tmp_path / "submitted", "00_warmup", limits, tmp_path / "out", reference=Reference({}, {}))
+    assert graded.points == 0 and graded.reason == "timed out after 3 s (an endless loop?)"
+    assert {r.status for r in graded.results} == {"timeout"}

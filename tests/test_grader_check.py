@@ -22,7 +22,7 @@ FLOOR = "def num_blocks_needed(n, b):\n    return n // b"
 def test_a_correct_namespace_passes_and_reports_points(capsys):
     grader.check("00_warmup", namespace_with(CORRECT))
     out = capsys.readouterr().out
-    assert "00_warmup: 4 of 4 tests passed, 4 of 4 points" in out
+    assert "00_warmup: 5 of 5 tests passed, 5 of 5 points" in out
     assert "[PASS] test_whole_blocks (1 pt)" in out
 
 
@@ -32,7 +32,7 @@ def test_a_wrong_answer_raises_and_says_input_expected_and_got(capsys):
     out = capsys.readouterr().out
     assert "[PASS] test_whole_blocks" in out
     assert "[FAIL] test_partial_block (1 pt)" in out
-    assert "num_blocks_needed(1, 16) returned 0, expected 1" in out
+    assert "num_blocks_needed(1, 16)\n  expected: 1\n  got:      0" in out.replace("\n       ", "\n")
 
 
 def test_a_missing_function_names_what_is_missing(capsys):
@@ -70,3 +70,14 @@ def test_nothing_reaches_stderr_even_when_the_code_warns(capfd):
     captured = capfd.readouterr()
     assert captured.err == ""
     assert "1 of 1 tests passed" in captured.out
+
+
+def test_a_namespace_that_calls_the_engines_own_function_is_told_so(capsys):
+    delegating = ("from engine_core.core.kv_cache_manager import cdiv as _engine_cdiv\n"
+                  "def num_blocks_needed(n, b):\n    return _engine_cdiv(n, b)")
+    with pytest.raises(grader.CheckFailed):
+        grader.check("00_warmup", namespace_with(delegating), tests=["test_whole_blocks"])
+    out = capsys.readouterr().out
+    assert "[FAIL] test_whole_blocks" in out
+    assert "uses the reference implementation: the engine's own kv_cache_manager.cdiv" in out
+    assert "scores 0 for that test" in out

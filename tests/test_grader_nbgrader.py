@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 ANSWER = "return (num_tokens + block_size - 1) // block_size"
 STUB = "# YOUR CODE HERE\n    raise NotImplementedError()"
-CELL_TIMEOUT_S = 8
+CELL_TIMEOUT_S = 12  # the first check cell imports the engine (torch): a few seconds
 NOISY = (
     "import os, warnings\n    import torch\n"
     "    torch.tensor(torch.tensor([1.0]))  # torch's copy-construct UserWarning, on stderr\n"
@@ -70,8 +70,8 @@ def scores(course: Path) -> dict[str, tuple[float, float]]:
 
 def test_the_solution_gets_full_marks_and_the_stub_zero(course):
     got = scores(course)
-    assert got["alice"] == (4.0, 4.0)
-    assert got["bob"] == (0.0, 4.0)
+    assert got["alice"] == (5.0, 5.0)
+    assert got["bob"] == (0.0, 5.0)
 
 
 def test_hidden_tests_are_restored_and_run(course):
@@ -83,11 +83,11 @@ def test_hidden_tests_are_restored_and_run(course):
 
 
 def test_torch_warnings_on_stderr_do_not_zero_a_correct_cell(course):
-    assert scores(course)["carol"] == (4.0, 4.0)
+    assert scores(course)["carol"] == (5.0, 5.0)
 
 
 def test_a_cell_past_the_time_limit_scores_zero_and_grading_goes_on(course):
-    assert scores(course)["dave"] == (0.0, 4.0)
+    assert scores(course)["dave"] == (0.0, 5.0)
     nb = nbformat.read(course / "autograded" / "dave" / "00_warmup" / "00_warmup.ipynb", as_version=4)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert errors, "the endless loop should have been interrupted with an error"

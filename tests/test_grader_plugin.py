@@ -20,17 +20,30 @@ def run_pytest(*args: str, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess
 def test_solution_passes_with_full_points_from_the_repo_root():
     done = run_pytest("solutions/00_warmup")
     assert done.returncode == 0, done.stdout
-    assert "solutions/00_warmup/00_warmup.ipynb ...." in done.stdout
+    assert "solutions/00_warmup/00_warmup.ipynb ....." in done.stdout
     assert "points per task" in done.stdout
-    assert "num_blocks_needed  4 / 4" in done.stdout
+    assert "num_blocks_needed  5 / 5" in done.stdout
 
 
 def test_stub_fails_with_zero_points_from_inside_the_folder():
     done = run_pytest(cwd=REPO_ROOT / "labs" / "00_warmup")
     assert done.returncode == 1, done.stdout
-    assert "4 failed" in done.stdout
-    assert "num_blocks_needed  0 / 4" in done.stdout
+    assert "5 failed" in done.stdout
+    assert "num_blocks_needed  0 / 5" in done.stdout
     assert "cell 4 of 00_warmup.ipynb" in done.stdout  # the traceback points at the notebook cell
+
+
+def test_a_notebook_that_delegates_to_the_engine_is_told_what_it_did(tmp_path):
+    """Lab 02's solution whose get_new_blocks calls the engine's, captured before the plug-in."""
+    from grader.selftest import write_delegation_notebook
+
+    lab = "02_paged_kv_blocks"
+    write_delegation_notebook(lab, tmp_path / lab / f"{lab}.ipynb")
+    done = run_pytest("-p", "grader.plugin", lab, "-k", "takes_the_front or counts_references", cwd=tmp_path)
+    assert done.returncode == 1, done.stdout
+    assert "uses the reference implementation: the engine's own BlockPool.get_new_blocks" in done.stdout
+    assert "uses the reference implementation: the engine's own BlockPool.free_blocks" in done.stdout
+    assert re.search(r"^total +0 / 4$", done.stdout, re.M), done.stdout
 
 
 def test_the_projects_own_run_never_collects_labs_or_solutions():

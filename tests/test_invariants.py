@@ -12,7 +12,7 @@ from collections import Counter
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from sched_helpers import EOS, FakeRunner, make_request, make_scheduler, reference_output
+from grader.harness import EOS, FakeRunner, make_request, make_scheduler, reference_output
 
 from engine_core.core.kv_cache_manager import cdiv
 from engine_core.request import RequestStatus
@@ -39,7 +39,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                                     max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                     enable_chunked_prefill=chunked, enable_prefix_caching=prefix,
                                     preemption_mode=mode, long_prefill_token_threshold=threshold)
-        self.runner = FakeRunner(num_gpu_blocks, num_cpu_blocks, block_size)
+        self.runner = FakeRunner(num_gpu_blocks, block_size, num_cpu_blocks)
         self.all: dict = {}
         self.aborted: set = set()
         self.n = 0

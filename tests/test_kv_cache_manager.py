@@ -1,6 +1,6 @@
 """KVCacheManager rules: block-table growth, None when it cannot allocate, swap plans."""
 import pytest
-from sched_helpers import make_request
+from grader.harness import make_request
 
 from engine_core.core.kv_cache_manager import KVCacheManager
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sched_helpers import EOS, FakeRunner, make_request, make_scheduler, reference_output
 
 from engine_core.lora.slots import LoRASlotPool
+from grader.harness import EOS, FakeRunner, make_request, make_scheduler, reference_output
 
 
 def _ids(requests) -> list[str]:
@@ -44,7 +44,7 @@ def test_a_waiting_adapter_is_not_starved_by_a_stream_of_running_adapter_request
     step 1. A policy that let requests of the running adapter overtake would keep adapter 1 running
     for ever; here the adapter-2 request runs once the adapter-1 requests ahead of it finish."""
     sched = make_scheduler(256, enable_lora=True, max_loras=1, max_num_seqs=8)
-    runner = FakeRunner(256, 0, sched.block_size)
+    runner = FakeRunner(256, sched.block_size)
     victim = None
     for step in range(200):
         sched.add_request(make_request(f"s{step}", 5, max_tokens=4, lora_id=1, arrival=float(step)))
@@ -74,7 +74,7 @@ def test_random_workloads_respect_the_slot_rule_and_finish(max_loras, num_gpu_bl
     sched = make_scheduler(num_gpu_blocks, num_cpu_blocks, enable_lora=True, max_loras=max_loras,
                            max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, enable_prefix_caching=prefix,
                            block_size=4, max_model_len=48)
-    runner = FakeRunner(num_gpu_blocks, num_cpu_blocks, sched.block_size)
+    runner = FakeRunner(num_gpu_blocks, sched.block_size, num_cpu_blocks)
     pool = LoRASlotPool(max_loras)
     requests = {}
     for step in range(2000):

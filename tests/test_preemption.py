@@ -2,7 +2,7 @@
 import random
 
 import pytest
-from sched_helpers import EOS, TINY_SPEC, FakeRunner, make_request, make_scheduler, reference_output, run_to_completion
+from grader.harness import EOS, TINY_SPEC, FakeRunner, make_request, make_scheduler, reference_output, run_to_completion
 
 from engine_core import memory
 from engine_core.request import RequestStatus, SamplingParams
@@ -12,7 +12,7 @@ from engine_core.core.scheduler_output import SchedulerOutput
 def fill(sched, specs):
     """specs: (rid, prompt_len, priority, arrival). Admit and compute every prompt."""
     kvm = sched.kv_cache_manager
-    runner = FakeRunner(kvm.num_gpu_blocks, kvm.num_cpu_blocks, sched.block_size)
+    runner = FakeRunner.for_scheduler(sched)
     for rid, n, prio, arrival in specs:
         sched.add_request(make_request(rid, n, max_tokens=50, priority=prio, arrival=arrival))
     out = sched.schedule()
@@ -72,7 +72,7 @@ def test_swapped_requests_come_back_before_waiting_ones_are_admitted():
 def test_allocation_failure_preempts_the_latest_request_first():
     sched = make_scheduler(num_gpu_blocks=4, block_size=4, preemption_mode="recompute", max_num_batched_tokens=64)
     kvm = sched.kv_cache_manager
-    runner = FakeRunner(4, 0, 4)
+    runner = FakeRunner(4, 4)
     sched.add_request(make_request("a", 8, max_tokens=8, arrival=0.0))
     sched.add_request(make_request("b", 7, max_tokens=8, arrival=1.0))
     out = sched.schedule()  # both prompts: 2 + 2 blocks, the cache is full
@@ -86,7 +86,7 @@ def test_allocation_failure_preempts_the_latest_request_first():
 
 def test_request_can_preempt_itself_when_it_is_the_lowest_priority():
     sched = make_scheduler(num_gpu_blocks=4, block_size=4, preemption_mode="recompute")
-    runner = FakeRunner(4, 0, 4)
+    runner = FakeRunner(4, 4)
     sched.add_request(make_request("hi", 7, max_tokens=8, priority=0, arrival=1.0))
     sched.add_request(make_request("lo", 8, max_tokens=8, priority=5, arrival=0.0))
     out = sched.schedule()
@@ -118,7 +118,7 @@ def test_auto_mode_follows_the_cost_model():
     recompute = memory.recompute_seconds(TINY_SPEC, n, 1e9)
     swap_bw_equal = 2 * n * memory.kv_cache_bytes_per_token(TINY_SPEC, "fp32") / recompute  # break-even bandwidth
     for factor, expected in [(2.0, "swap"), (0.5, "recompute")]:
-        sched = make_scheduler(num_gpu_blocks=32, num_cpu_blocks=8, prefill_flops_per_s=1e9,
+        sched = make_scheduler(num_gpu_blocks=32, num_cpu_blocks=8, preemption_mode="auto", prefill_flops_per_s=1e9,
                                swap_bandwidth_bytes_per_s=swap_bw_equal * factor)
         fill(sched, [("a", n, 0, 0.0)])
         assert sched.choose_preemption_mode(sched.running[0]) == expected
@@ -143,7 +143,7 @@ def run(reqs, num_gpu_blocks, num_cpu_blocks, **kw):
 @pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
 def test_outputs_under_memory_pressure_equal_those_with_plenty_of_blocks(mode, prefix, chunked):
     reqs = workload(seed=f"{mode}-{prefix}-{chunked}")
-    expected = {rid: reference_output(p, m) for rid, p, m in reqs}
+    expected = {rid: reference_output(p, m, EOS) for rid, p, m in reqs}
     kw = dict(preemption_mode=mode, enable_prefix_caching=prefix, enable_chunked_prefill=chunked)
     plenty, plenty_stats = run(reqs, 400, 0, **kw)
     tight, stats = run(reqs, 14, 40, **kw)

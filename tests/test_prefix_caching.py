@@ -3,7 +3,7 @@ written, LRU eviction, never a full hit, no sharing across a hash collision or a
 import random
 
 import pytest
-from sched_helpers import EOS, FakeRunner, make_request, make_scheduler, reference_output, run_to_completion
+from grader.harness import EOS, FakeRunner, make_request, make_scheduler, reference_output, run_to_completion
 
 from engine_core.core import kv_cache_manager as kvm_module
 from engine_core.core.block_pool import BlockHash
@@ -18,7 +18,7 @@ def step(sched, runner):
 
 def make(num_gpu_blocks=32, **kw):
     sched = make_scheduler(num_gpu_blocks, enable_prefix_caching=True, **kw)
-    return sched, FakeRunner(num_gpu_blocks, 0, sched.block_size)
+    return sched, FakeRunner(num_gpu_blocks, sched.block_size)
 
 
 def test_hash_chains_on_the_parent_and_keeps_the_tokens():
@@ -112,7 +112,7 @@ def test_hash_collision_does_not_share_kv(monkeypatch):
     assert kvm.get_block_ids("a")[0] == kvm.get_block_ids("b")[0]  # a real shared prefix
     assert kvm.get_block_ids("a")[1] != kvm.get_block_ids("b")[1]
     outs = run_to_completion(sched, runner)
-    assert outs == {rid: reference_output(p, 6) for rid, p in prompts.items()}
+    assert outs == {rid: reference_output(p, 6, EOS) for rid, p in prompts.items()}
 
 
 def test_different_loras_never_share_blocks():
@@ -135,7 +135,7 @@ def test_shared_system_prompt_saves_exactly_the_shared_prefill(chunked):
     def run(prefix):
         sched = make_scheduler(512, enable_prefix_caching=prefix, enable_chunked_prefill=chunked,
                                max_num_batched_tokens=128)
-        runner = FakeRunner(512, 0, 4)
+        runner = FakeRunner(512, 4)
         sched.add_request(make_request("r0", reqs["r0"], max_tokens=1, eos=None))  # warms the cache
         run_to_completion(sched, runner)
         for rid, p in reqs.items():
@@ -144,7 +144,7 @@ def test_shared_system_prompt_saves_exactly_the_shared_prefill(chunked):
 
     on, s_on = run(True)
     off, s_off = run(False)
-    assert on == off == {rid + "'": reference_output(p, 5) for rid, p in reqs.items()}
+    assert on == off == {rid + "'": reference_output(p, 5, EOS) for rid, p in reqs.items()}
     # every one of the 32 requests (r0 too, warmed by its twin) skips the 64 shared tokens, and r0' its own full blocks
     own = (len(reqs["r0"]) - 1) // 4 * 4 - 64
     assert s_off["num_prefill_tokens"] - s_on["num_prefill_tokens"] == 32 * 64 + own

@@ -1,6 +1,6 @@
 """Scheduler rules (no preemption here): token budget, chunked prefill, admission, finishing."""
 import pytest
-from sched_helpers import EOS, FakeRunner, make_request, make_scheduler, reference_output, run_to_completion
+from grader.harness import EOS, FakeRunner, make_request, make_scheduler, reference_output, run_to_completion
 
 from engine_core.metrics import stat_docs
 from engine_core.core.scheduler_output import SchedulerOutput
@@ -18,7 +18,7 @@ def step(sched, runner):
 
 def runner_for(sched):
     kvm = sched.kv_cache_manager
-    return FakeRunner(kvm.num_gpu_blocks, kvm.num_cpu_blocks, sched.block_size)
+    return FakeRunner.for_scheduler(sched)
 
 
 def test_request_that_can_never_fit_is_rejected_when_added():
@@ -156,7 +156,7 @@ def test_eos_stops_a_request():
     for rid, p in prompts.items():
         sched.add_request(make_request(rid, p, max_tokens=40, eos=EOS))
     outs = run_to_completion(sched)
-    assert outs == {rid: reference_output(p, 40) for rid, p in prompts.items()}
+    assert outs == {rid: reference_output(p, 40, EOS) for rid, p in prompts.items()}
     assert any(o[-1] == EOS and len(o) < 40 for o in outs.values())  # the workload does exercise EOS
 
 

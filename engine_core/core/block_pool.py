@@ -62,7 +62,6 @@ class BlockPool:
         return 0.0 if self.num_blocks == 0 else 1.0 - self.num_free_blocks / self.num_blocks
 
     # seam: labs 02, 05 (grader/seams.py)
-
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` from the front of the free queue (least recently used first), each
         with ref_cnt 1; a block that still held cached KV is evicted (its hash leaves the map)."""

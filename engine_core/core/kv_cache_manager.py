@@ -13,6 +13,7 @@ from engine_core.core.block_pool import BlockHash, BlockPool, KVCacheBlock
 from engine_core.request import Request
 
 
+# seam: lab 00 (grader/seams.py)
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -1,345 +1,324 @@
 """Official tests of lab 02_paged_kv_blocks: the block pool and block-table growth.
 
-The learner writes `get_new_blocks(self, num_blocks)` and `free_blocks(self, blocks)` of
-`engine_core.core.block_pool.BlockPool` and `allocate_slots(self, request, num_new_tokens,
-new_computed_blocks=None)` of `engine_core.core.kv_cache_manager.KVCacheManager`, as plain functions.
-Each unit test plugs in only the piece it grades (the engine's own code does the set-up), so one
-wrong function fails its own tests only. The end-to-end tests plug in all three and compare the
-engine's tokens with the reference engine's on the same workload, then look for leaked blocks.
-Expected block counts are hand arithmetic here: blocks = ceil(tokens / block_size).
+The learner writes `get_new_blocks(self, num_blocks)` and `free_blocks(self, blocks)` of the
+engine's BlockPool and `allocate_slots(self, request, num_new_tokens, new_computed_blocks=None)`
+of its KVCacheManager, as plain functions (the seams in grader/seams.py). Every test runs inside
+`plug(student, LAB)`; unit tests build the pool's state directly (ref counts, free queue, block
+tables, cache entries: no seam runs during set-up), so one wrong function fails its own tests,
+and allocate_slots' tests, which need the learner's get_new_blocks. The end-to-end tests run
+tiny-llama with all three and compare tokens, preemptions and prefix-cache hits with the
+reference engine's, computed after the plug ends. Expected block counts are hand arithmetic:
+blocks = ceil(tokens / block_size). Every check is an `expect_*` observation.
 """
 import functools
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from engine_core.core.block_pool import BlockPool
-from engine_core.core.kv_cache_manager import KVCacheManager
-from engine_core.request import Request, SamplingParams
+from grader.harness import BlockHash, BlockPool, Request, SamplingParams, build_manager, build_pool, run_engine
+from grader.observe import expect_equal, expect_raises
+from grader.plug import plug
+
+LAB = "02_paged_kv_blocks"
 
 
 def _ids(blocks):
-    return [b.block_id for b in blocks]
+    return None if blocks is None else [b.block_id for b in blocks]
 
 
-def _state(pool: BlockPool) -> str:
-    return f"free queue (front first) {list(pool.free_queue)}, ref_cnt by block id {[b.ref_cnt for b in pool.blocks]}"
+def _state(pool: BlockPool) -> dict:
+    """What the pool holds: the free queue (front first) and every block's ref_cnt by block id."""
+    return {"free queue": list(pool.free_queue), "ref_cnt": [b.ref_cnt for b in pool.blocks]}
 
 
-def _request(rid: str, num_prompt_tokens: int, first_token: int = 1) -> Request:
-    return Request(rid, list(range(first_token, first_token + num_prompt_tokens)), SamplingParams(max_tokens=8))
-
-
-def _blocks_for(num_tokens: int, block_size: int) -> int:
-    """The specification: the fewest blocks whose slots hold num_tokens (no division tricks)."""
-    blocks = 0
-    while blocks * block_size < num_tokens:
-        blocks += 1
-    return blocks
+def _request(rid: str, num_prompt_tokens: int, computed: int = 0) -> Request:
+    req = Request(rid, list(range(1, 1 + num_prompt_tokens)), SamplingParams(max_tokens=8))
+    req.num_computed_tokens = computed
+    return req
 
 
 # ---- task 1: get_new_blocks ------------------------------------------------------------------
 
 @pytest.mark.points(2)
 @pytest.mark.task("get_new_blocks")
-def test_get_new_blocks_takes_the_front_of_the_free_queue(student, monkeypatch):
+def test_get_new_blocks_takes_the_front_of_the_free_queue(student):
     """Blocks leave from the front of the free queue (least recently freed first), with ref_cnt 1."""
-    monkeypatch.setattr(BlockPool, "get_new_blocks", student.get_new_blocks)
-    pool = BlockPool(6)
-    got = pool.get_new_blocks(2)
-    assert _ids(got) == [0, 1], f"a fresh pool of 6 blocks: get_new_blocks(2) gave blocks {_ids(got)}, expected [0, 1]"
-    assert all(b is pool.blocks[b.block_id] for b in got), "return the pool's own KVCacheBlock objects, not copies"
-    assert [b.ref_cnt for b in got] == [1, 1], f"a block handed out has one holder: ref_cnt {[b.ref_cnt for b in got]}, expected [1, 1]"
-    assert list(pool.free_queue) == [2, 3, 4, 5], f"after taking blocks 0 and 1: {_state(pool)}, expected free queue [2, 3, 4, 5]"
-    pool.free_blocks([got[1]])  # the engine's own free_blocks: block 1 joins the tail
-    more = pool.get_new_blocks(5)
-    assert _ids(more) == [2, 3, 4, 5, 1], (f"free queue [2, 3, 4, 5, 1] (block 1 freed last): get_new_blocks(5) gave "
-                                            f"{_ids(more)}, expected [2, 3, 4, 5, 1]: the front is evicted first")
-    assert pool.get_new_blocks(0) == [] and pool.num_free_blocks == 0, f"get_new_blocks(0) must return [] ({_state(pool)})"
+    with plug(student, LAB):
+        pool = build_pool(6)
+        got = pool.get_new_blocks(2)
+        expect_equal(_ids(got), [0, 1], "a fresh pool of 6 blocks (free queue [0, 1, 2, 3, 4, 5]): get_new_blocks(2)")
+        expect_equal([b is pool.blocks[b.block_id] for b in got], [True, True],
+                     "get_new_blocks(2) returns the pool's own KVCacheBlock objects, not copies (is pool.blocks[id])")
+        expect_equal(_state(pool), {"free queue": [2, 3, 4, 5], "ref_cnt": [1, 1, 0, 0, 0, 0]},
+                     "the pool after get_new_blocks(2) on a fresh pool of 6: a block handed out has one holder")
+        pool = build_pool(6, held={0: 1}, free_order=[2, 3, 4, 5, 1])  # block 1 was freed last
+        got = pool.get_new_blocks(5)
+        expect_equal(_ids(got), [2, 3, 4, 5, 1],
+                     "free queue [2, 3, 4, 5, 1] (block 1 freed last): get_new_blocks(5); the front is evicted first")
+        expect_equal(_ids(pool.get_new_blocks(0)), [], "no free block left: get_new_blocks(0)")
 
 
 @pytest.mark.points(1)
 @pytest.mark.task("get_new_blocks")
-def test_get_new_blocks_rejects_bad_counts(student, monkeypatch):
+def test_get_new_blocks_rejects_bad_counts(student):
     """Asking for more blocks than are free (or fewer than 0) is a ValueError naming num_blocks, with nothing taken."""
-    monkeypatch.setattr(BlockPool, "get_new_blocks", student.get_new_blocks)
-    pool = BlockPool(3)
-    pool.get_new_blocks(1)
-    before = _state(pool)
-    for bad in (3, -1):
-        with pytest.raises(ValueError, match="num_blocks") as info:
-            pool.get_new_blocks(bad)
-        assert _state(pool) == before, (f"get_new_blocks({bad}) with 2 free blocks raised {info.value!r} but changed "
-                                        f"the pool: before {before}; after {_state(pool)}")
+    with plug(student, LAB):
+        pool = build_pool(3, held={0: 1})
+        for bad in (3, -1):
+            expect_raises(ValueError, pool.get_new_blocks, bad, match="num_blocks",
+                          message=f"block 0 held, free queue [1, 2]: get_new_blocks({bad})")
+            expect_equal(_state(pool), {"free queue": [1, 2], "ref_cnt": [1, 0, 0]},
+                         f"the pool after the rejected get_new_blocks({bad}): unchanged")
 
 
 @pytest.mark.points(1)
 @pytest.mark.task("get_new_blocks")
-def test_get_new_blocks_evicts_a_cached_block(student, monkeypatch):
+def test_get_new_blocks_evicts_a_cached_block(student):
     """A free block that still holds a prefix's KV loses its cache entry when handed out for new tokens."""
-    from engine_core.core.kv_cache_manager import hash_block_tokens
-
-    pool = BlockPool(3)
-    b0 = pool.get_new_blocks(1)[0]  # the engine's own get_new_blocks, for the set-up
-    h = hash_block_tokens(None, [5, 6, 7, 8])
-    pool.cache_full_blocks([b0], [h])
-    pool.free_blocks([b0])  # free queue [1, 2, 0]; block 0 still maps hash h
-    monkeypatch.setattr(BlockPool, "get_new_blocks", student.get_new_blocks)
-    got = pool.get_new_blocks(3)
-    assert _ids(got) == [1, 2, 0], f"free queue [1, 2, 0]: get_new_blocks(3) gave {_ids(got)}, expected [1, 2, 0]"
-    assert pool.get_cached_block(h) is None and b0.block_hash is None, (
-        "block 0 held the cached KV of tokens [5, 6, 7, 8]; get_new_blocks handed it out for new tokens but the "
-        "prefix cache still maps it (call self._evict(block) on every block you hand out)")
+    with plug(student, LAB):
+        pool = build_pool(3, free_order=[1, 2, 0], cached={0: (5, 6, 7, 8)})
+        got = pool.get_new_blocks(3)
+        expect_equal(_ids(got), [1, 2, 0], "free queue [1, 2, 0], block 0 free but cached: get_new_blocks(3)")
+        expect_equal((pool.blocks[0].block_hash, len(pool.cached_blocks)), (None, 0),
+                     "block 0 held the cached KV of tokens [5, 6, 7, 8] and was handed out for new tokens: (its "
+                     "block_hash, entries left in the prefix cache); call self._evict(block) on every block you hand out")
 
 
 # ---- task 2: free_blocks ---------------------------------------------------------------------
 
 @pytest.mark.points(2)
 @pytest.mark.task("free_blocks")
-def test_free_blocks_counts_references(student, monkeypatch):
+def test_free_blocks_counts_references(student):
     """A shared block stays in use until its last holder frees it; then it joins the free queue's tail."""
-    pool = BlockPool(4)
-    b0, b1 = pool.get_new_blocks(2)
-    pool.touch([b0])  # a second request shares block 0: ref_cnt 2
-    monkeypatch.setattr(BlockPool, "free_blocks", student.free_blocks)
-    pool.free_blocks([b0, b1])
-    assert (b0.ref_cnt, b1.ref_cnt) == (1, 0), (f"block 0 (ref_cnt 2) and block 1 (ref_cnt 1) freed once: ref_cnt "
-                                                f"{(b0.ref_cnt, b1.ref_cnt)}, expected (1, 0)")
-    assert list(pool.free_queue) == [2, 3, 1], (f"block 0 is still held by one request, block 1 is free: {_state(pool)}, "
-                                                f"expected free queue [2, 3, 1]")
-    pool.free_blocks([b0])
-    assert list(pool.free_queue) == [2, 3, 1, 0], f"block 0's last holder freed it: {_state(pool)}, expected [2, 3, 1, 0]"
+    with plug(student, LAB):
+        pool = build_pool(4, held={0: 2, 1: 1})
+        pool.free_blocks([pool.blocks[0], pool.blocks[1]])
+        expect_equal(_state(pool), {"free queue": [2, 3, 1], "ref_cnt": [1, 0, 0, 0]},
+                     "block 0 (ref_cnt 2, shared) and block 1 (ref_cnt 1) freed once, free queue was [2, 3]")
+        pool.free_blocks([pool.blocks[0]])
+        expect_equal(_state(pool), {"free queue": [2, 3, 1, 0], "ref_cnt": [0, 0, 0, 0]},
+                     "then block 0 freed by its last holder")
 
 
 @pytest.mark.points(1)
 @pytest.mark.task("free_blocks")
-def test_free_blocks_keeps_the_given_order(student, monkeypatch):
+def test_free_blocks_keeps_the_given_order(student):
     """Freed blocks join the tail in the order given (the caller passes eviction order), from any iterable."""
-    pool = BlockPool(5)
-    blocks = pool.get_new_blocks(4)
-    monkeypatch.setattr(BlockPool, "free_blocks", student.free_blocks)
-    pool.free_blocks(iter([blocks[3], blocks[0], blocks[2]]))  # the engine passes reversed(table): an iterator
-    assert list(pool.free_queue) == [4, 3, 0, 2], (f"blocks 0-3 in use, free_blocks(iter([3, 0, 2])): {_state(pool)}, "
-                                                   f"expected free queue [4, 3, 0, 2]")
-    assert [b.ref_cnt for b in pool.blocks] == [0, 1, 0, 0, 0], f"ref counts after freeing 3, 0, 2: {_state(pool)}"
+    with plug(student, LAB):
+        pool = build_pool(5, held={0: 1, 1: 1, 2: 1, 3: 1})
+        pool.free_blocks(iter([pool.blocks[3], pool.blocks[0], pool.blocks[2]]))  # the engine passes an iterator
+        expect_equal(_state(pool), {"free queue": [4, 3, 0, 2], "ref_cnt": [0, 1, 0, 0, 0]},
+                     "blocks 0-3 held once, free queue [4]: free_blocks(iter([block 3, block 0, block 2]))")
 
 
 @pytest.mark.points(1)
 @pytest.mark.task("free_blocks")
-def test_free_blocks_rejects_a_double_free(student, monkeypatch):
-    """Freeing a block nobody holds is a bug upstream: ValueError, and the pool stays consistent."""
-    pool = BlockPool(2)
-    b0 = pool.get_new_blocks(1)[0]
-    pool.free_blocks([b0])
-    monkeypatch.setattr(BlockPool, "free_blocks", student.free_blocks)
-    before = _state(pool)
-    with pytest.raises(ValueError):
-        pool.free_blocks([b0])
-    assert _state(pool) == before and b0.ref_cnt == 0, (
-        f"block 0 was already free; freeing it again must raise before changing anything: before {before}, "
-        f"after {_state(pool)}")
+def test_free_blocks_rejects_a_double_free(student):
+    """Freeing a block more often than it is held is a bug upstream: ValueError, raised before any ref
+    count changes (a half-applied free would corrupt the pool)."""
+    with plug(student, LAB):
+        pool = build_pool(3, held={1: 1})
+        cases = [([0], "block 0, already free"), ([1, 0], "block 1 (held once), then block 0 (already free)"),
+                 ([1, 1], "block 1 twice, but it is held once")]
+        for ids, what in cases:
+            expect_raises(ValueError, pool.free_blocks, [pool.blocks[i] for i in ids],
+                          message=f"block 1 held once, free queue [0, 2]: free_blocks([{what}])")
+            expect_equal(_state(pool), {"free queue": [0, 2], "ref_cnt": [0, 1, 0]},
+                         f"the pool after the rejected free_blocks([{what}]): unchanged")
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("free_blocks")
+def test_free_blocks_keeps_cached_kv(student):
+    """A freed block keeps its cached KV: a later request with the same prefix can take it back
+    until get_new_blocks hands it out (freeing is not evicting)."""
+    with plug(student, LAB):
+        pool = build_pool(3, held={0: 1, 1: 1}, cached={0: (1, 2, 3, 4), 1: (5, 6, 7, 8)})
+        pool.free_blocks([pool.blocks[1], pool.blocks[0]])
+        expect_equal([pool.get_cached_block(BlockHash(1000 + i, t)) is pool.blocks[i]
+                      for i, t in ((0, (1, 2, 3, 4)), (1, (5, 6, 7, 8)))], [True, True],
+                     "blocks 0 and 1 held and cached, then freed: does the prefix cache still find each of them?")
+        expect_equal(_state(pool), {"free queue": [2, 1, 0], "ref_cnt": [0, 0, 0]}, "the pool after the free")
 
 
 # ---- task 3: allocate_slots ------------------------------------------------------------------
 
 @pytest.mark.points(2)
 @pytest.mark.task("allocate_slots")
-def test_allocate_slots_grows_the_table_only_when_needed(student, monkeypatch):
+def test_allocate_slots_grows_the_table_only_when_needed(student):
     """A table of T blocks covers T * block_size positions; only tokens past that need new blocks."""
-    monkeypatch.setattr(KVCacheManager, "allocate_slots", student.allocate_slots)
-    kvm = KVCacheManager(num_gpu_blocks=8, block_size=4)
-    req = _request("r", 10)
-    # (num_computed_tokens, num_new_tokens): a 10-token prefill, three decodes, then a 7-token chunk
-    for computed, new in [(0, 10), (10, 1), (11, 1), (12, 1), (13, 7)]:
-        req.num_computed_tokens = computed
-        held = len(kvm.get_block_ids("r"))
-        want = _blocks_for(computed + new, 4) - held
-        got = kvm.allocate_slots(req, new)
-        assert got is not None, f"block_size 4, table of {held} blocks, num_computed_tokens {computed}: " \
-                                f"allocate_slots(num_new_tokens={new}) returned None with {kvm.num_free_blocks} free blocks"
-        assert len(got) == want, (f"block_size 4, table of {held} blocks (positions 0..{held * 4 - 1}), "
-                                  f"num_computed_tokens {computed}, num_new_tokens {new}: positions up to "
-                                  f"{computed + new - 1} need {held + want} blocks, so {want} new; you returned {len(got)} "
-                                  f"({_ids(got)})")
-        table = kvm.get_block_ids("r")
-        assert table[held:] == _ids(got) and len(table) == held + want, (
-            f"the new blocks must be appended to the request's table: table {table}, returned {_ids(got)}")
-    assert kvm.get_block_ids("r") == [0, 1, 2, 3, 4], f"table after 20 positions: {kvm.get_block_ids('r')}"
+    with plug(student, LAB):
+        kvm = build_manager(8)
+        req = _request("r", 10)
+        # (num_computed_tokens, num_new_tokens): a 10-token prefill, three decodes, then a 7-token chunk
+        for computed, new, want_new, want_table in [(0, 10, 3, [0, 1, 2]), (10, 1, 0, [0, 1, 2]), (11, 1, 0, [0, 1, 2]),
+                                                    (12, 1, 1, [0, 1, 2, 3]), (13, 7, 1, [0, 1, 2, 3, 4])]:
+            req.num_computed_tokens = computed
+            got = kvm.allocate_slots(req, new)
+            expect_equal((None if got is None else len(got), kvm.get_block_ids("r")), (want_new, want_table),
+                         f"blocks of 4, num_computed_tokens {computed}, allocate_slots(num_new_tokens={new}): "
+                         f"(new blocks returned, the request's table); positions up to {computed + new - 1} need "
+                         f"{len(want_table)} blocks")
 
 
 @pytest.mark.points(1)
 @pytest.mark.task("allocate_slots")
-def test_allocate_slots_returns_none_and_changes_nothing_when_full(student, monkeypatch):
+def test_allocate_slots_returns_none_and_changes_nothing_when_full(student):
     """Not enough free blocks: return None, take nothing (the scheduler then preempts and retries)."""
-    monkeypatch.setattr(KVCacheManager, "allocate_slots", student.allocate_slots)
-    kvm = KVCacheManager(num_gpu_blocks=4, block_size=4)
-    a, b = _request("a", 12), _request("b", 5)
-    assert len(kvm.allocate_slots(a, 12) or []) == 3, "a 12-token prompt takes 3 of 4 blocks"
-    got = kvm.allocate_slots(b, 5)
-    assert got is None, f"1 free block, a 5-token prompt needs 2: allocate_slots returned {got!r}, expected None"
-    assert kvm.num_free_blocks == 1 and kvm.get_block_ids("b") == [] and "b" not in kvm.req_to_blocks, (
-        f"a failed allocation must change nothing: {kvm.num_free_blocks} free blocks (expected 1), table of b "
-        f"{kvm.get_block_ids('b')} (expected none)")
-    got = kvm.allocate_slots(b, 4)
-    assert got is not None and len(got) == 1, f"1 free block, a 4-token prompt needs 1: got {got!r}"
-    a.num_computed_tokens = 12
-    assert kvm.allocate_slots(a, 1) is None, "no free block, position 12 of a needs a 4th block: expected None"
-    assert kvm.get_block_ids("a") == [0, 1, 2], f"table of a changed after a failed allocation: {kvm.get_block_ids('a')}"
+    with plug(student, LAB):
+        kvm = build_manager(4, tables={"a": [0, 1, 2]})
+        a, b = _request("a", 12, computed=12), _request("b", 5)
+        expect_equal(_ids(kvm.allocate_slots(b, 5)), None,
+                     "4 blocks of 4, a holds 3: allocate_slots(b, 5) needs 2 blocks, 1 is free")
+        expect_equal((kvm.num_free_blocks, "b" in kvm.req_to_blocks), (1, False),
+                     "after the failed allocation: (free blocks, does b have a table?)")
+        expect_equal(_ids(kvm.allocate_slots(b, 4)), [3], "then allocate_slots(b, 4): 1 block, the free one")
+        expect_equal(_ids(kvm.allocate_slots(a, 1)), None,
+                     "no free block left; a (12 tokens computed) needs a 4th block for position 12")
+        expect_equal(kvm.get_block_ids("a"), [0, 1, 2], "a's table after its failed allocation")
 
 
 @pytest.mark.points(1)
 @pytest.mark.task("allocate_slots")
-def test_allocate_slots_validates_and_handles_zero(student, monkeypatch):
+def test_allocate_slots_validates_and_handles_zero(student):
     """num_new_tokens < 0 is a ValueError naming it; 0 new tokens inside the table allocate nothing."""
-    monkeypatch.setattr(KVCacheManager, "allocate_slots", student.allocate_slots)
-    kvm = KVCacheManager(num_gpu_blocks=4, block_size=4)
-    req = _request("r", 3)
-    with pytest.raises(ValueError, match="num_new_tokens"):
-        kvm.allocate_slots(req, -1)
-    assert kvm.num_free_blocks == 4 and "r" not in kvm.req_to_blocks, "a rejected call must change nothing"
-    assert len(kvm.allocate_slots(req, 3)) == 1
-    req.num_computed_tokens = 3
-    got = kvm.allocate_slots(req, 0)
-    assert got == [], f"table of 1 block, 3 tokens computed, 0 new: allocate_slots returned {got!r}, expected []"
+    with plug(student, LAB):
+        kvm = build_manager(4)
+        req = _request("r", 3)
+        expect_raises(ValueError, kvm.allocate_slots, req, -1, match="num_new_tokens",
+                      message="allocate_slots(request, num_new_tokens=-1)")
+        expect_equal((kvm.num_free_blocks, "r" in kvm.req_to_blocks), (4, False),
+                     "after the rejected call: (free blocks, does r have a table?)")
+        expect_equal(_ids(kvm.allocate_slots(req, 3)), [0], "a fresh manager: allocate_slots(r, 3)")
+        req.num_computed_tokens = 3
+        expect_equal(_ids(kvm.allocate_slots(req, 0)), [], "table of 1 block, 3 tokens computed, 0 new tokens")
 
 
 @pytest.mark.points(2)
 @pytest.mark.task("allocate_slots")
-def test_allocate_slots_with_prefix_hits(student, monkeypatch):
+def test_allocate_slots_with_prefix_hits(student):
     """Prefix hits go first in the table and are touched; hits sitting in the free queue are not free room."""
-    kvm = KVCacheManager(num_gpu_blocks=3, block_size=4, enable_caching=True)
-    p = _request("p", 8)  # tokens 1..8: two full blocks, set up with the engine's own allocate_slots
-    kvm.allocate_slots(p, 8)
-    p.num_computed_tokens = 8
-    kvm.cache_blocks(p, 8)
-    kvm.free(p)  # blocks 0 and 1 are free but still hold the prefix: free queue [2, 1, 0]
-    monkeypatch.setattr(KVCacheManager, "allocate_slots", student.allocate_slots)
-    q = _request("q", 16)  # tokens 1..16: the same 8-token prefix, then 8 more
-    hits, num_cached = kvm.get_computed_blocks(q)
-    assert _ids(hits) == [0, 1] and num_cached == 8
-    got = kvm.allocate_slots(q, 8, hits)
-    assert got is None, (f"3 free blocks, two of them are q's prefix hits (blocks 0, 1): 8 hits + 8 new tokens need 2 "
-                         f"more blocks but only 1 block is really free; allocate_slots returned {got!r}, expected None")
-    assert kvm.num_free_blocks == 3 and [b.ref_cnt for b in hits] == [0, 0] and "q" not in kvm.req_to_blocks, (
-        f"a failed allocation must not touch the hits or take blocks: {_state(kvm.block_pool)}")
-    got = kvm.allocate_slots(q, 3, hits)  # 8 hits + 3 new tokens = 11 positions = 3 blocks
-    assert got is not None and _ids(got) == [2], f"8 hits + 3 new tokens need 1 new block (block 2); got {got!r}"
-    assert kvm.get_block_ids("q") == [0, 1, 2], f"the table must be hits then new blocks: {kvm.get_block_ids('q')}"
-    assert [b.ref_cnt for b in kvm.block_pool.blocks] == [1, 1, 1] and kvm.num_free_blocks == 0, (
-        f"hits are held by q now (touch them): {_state(kvm.block_pool)}")
-    r = _request("r", 9)  # shares q's first two blocks, which are in use: touching them makes ref_cnt 2
-    hits, _ = kvm.get_computed_blocks(r)
-    assert kvm.allocate_slots(r, 0, hits) == [] and [b.ref_cnt for b in hits] == [2, 2], (
-        f"hits held by another request gain a holder: {_state(kvm.block_pool)}")
+    with plug(student, LAB):
+        # blocks 0 and 1 hold a freed request's prefix: free but cached, free queue [2, 1, 0]
+        kvm = build_manager(3, free_order=[2, 1, 0], cached={0: (1, 2, 3, 4), 1: (5, 6, 7, 8)}, caching=True)
+        pool = kvm.block_pool
+        q = _request("q", 16)  # its first 8 tokens are the cached prefix
+        hits = [pool.blocks[0], pool.blocks[1]]
+        expect_equal(_ids(kvm.allocate_slots(q, 8, hits)), None,
+                     "3 free blocks, two of them q's prefix hits (blocks 0, 1): 8 hit + 8 new tokens need 2 more "
+                     "blocks, only block 2 is really free")
+        expect_equal((_state(pool), "q" in kvm.req_to_blocks), ({"free queue": [2, 1, 0], "ref_cnt": [0, 0, 0]}, False),
+                     "after the failed allocation: (the pool, does q have a table?): the hits must not be touched")
+        expect_equal(_ids(kvm.allocate_slots(q, 3, hits)), [2], "then allocate_slots(q, 3, hits): 8 + 3 positions")
+        expect_equal((kvm.get_block_ids("q"), _state(pool)), ([0, 1, 2], {"free queue": [], "ref_cnt": [1, 1, 1]}),
+                     "(q's table, the pool): hits first, then the new block; q holds its hits now (touch them)")
+        r = _request("r", 9)  # shares q's first two blocks, which are in use
+        expect_equal(_ids(kvm.allocate_slots(r, 0, hits)), [], "r hits q's blocks 0 and 1 (in use): allocate_slots(r, 0, hits)")
+        expect_equal([b.ref_cnt for b in hits], [2, 2], "ref_cnt of blocks 0 and 1: hits held by another request gain a holder")
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("allocate_slots")
+def test_allocate_slots_takes_no_extra_block_next_to_hits(student):
+    """Blocks held next to prefix hits: the hits cover their tokens, so a request with h hit blocks takes
+    only the blocks its remaining tokens need (an over-allocation keeps the tokens right but wastes memory)."""
+    with plug(student, LAB):
+        kvm = build_manager(10, free_order=[2, 3, 4, 5, 6, 7, 8, 9, 1, 0], cached={0: (1, 2, 3, 4), 1: (5, 6, 7, 8)},
+                       caching=True)
+        hits = [kvm.block_pool.blocks[0], kvm.block_pool.blocks[1]]
+        for rid, new, want in (("q", 3, [2]), ("s", 4, [3]), ("t", 5, [4, 5]), ("u", 0, [])):
+            expect_equal(_ids(kvm.allocate_slots(_request(rid, 8 + new), new, hits)), want,
+                         f"request {rid}: 2 hit blocks (8 tokens) + {new} new tokens, blocks of 4: the new blocks")
+        expect_equal(kvm.num_free_blocks, 4, "free blocks left of 10 (2 hits shared by 4 requests, 4 new blocks)")
 
 
 @pytest.mark.points(2)
 @pytest.mark.task("allocate_slots")
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@seed(20240602)  # the same examples in the reference run and in the kit (derandomize would hash the source)
 @given(ops=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 9), st.booleans()), min_size=1, max_size=40))
-def test_allocation_invariants(student, monkeypatch, ops):
+def test_allocation_invariants(student, ops):
     """Random grow / free sequences on 4 requests: counts, ref_cnt and the free queue stay consistent."""
-    monkeypatch.setattr(BlockPool, "get_new_blocks", student.get_new_blocks)
-    monkeypatch.setattr(BlockPool, "free_blocks", student.free_blocks)
-    monkeypatch.setattr(KVCacheManager, "allocate_slots", student.allocate_slots)
-    kvm = KVCacheManager(num_gpu_blocks=6, block_size=3)
-    reqs = [_request(f"r{i}", 30) for i in range(4)]
-    log = []
-    for k, new, finish in ops:
-        req = reqs[k]
-        if finish:
-            log.append(f"free(r{k})")
-            kvm.free(req)
-            req.num_computed_tokens = 0
-        else:
-            held = len(kvm.get_block_ids(req.request_id))
-            need = max(0, _blocks_for(req.num_computed_tokens + new, 3) - held)
+    with plug(student, LAB):
+        kvm = build_manager(6, block_size=3)
+        reqs = [_request(f"r{i}", 30) for i in range(4)]
+        log = []
+        for k, new, finish in ops:
+            req = reqs[k]
+            if finish:
+                log.append(f"free(r{k})")
+                kvm.free(req)  # the engine's free: your free_blocks, the table's tail first
+                req.num_computed_tokens = 0
+                continue
+            held, free = len(kvm.get_block_ids(req.request_id)), kvm.num_free_blocks
             log.append(f"allocate_slots(r{k}, computed={req.num_computed_tokens}, new={new})")
             got = kvm.allocate_slots(req, new)
-            if need > kvm.num_free_blocks + (0 if got is None else len(got)):
-                assert got is None, f"after {log}: needed {need} blocks, expected None, got {_ids(got)}"
-            else:
-                assert got is not None and len(got) == need, (
-                    f"after {log}: needed {need} new blocks, got {got if got is None else _ids(got)}")
+            need = max(0, -(-(req.num_computed_tokens + new) // 3) - held)
+            expect_equal(None if got is None else len(got), None if need > free else need,
+                         f"blocks of 3, 6 blocks, after {log}: the number of new blocks (None: no room)")
+            if got is not None:
                 req.num_computed_tokens += new
-        tables = [kvm.get_block_ids(r.request_id) for r in reqs]
-        held_ids = [i for t in tables for i in t]
-        ref = [b.ref_cnt for b in kvm.block_pool.blocks]
-        assert ref == [held_ids.count(i) for i in range(6)], f"after {log}: tables {tables}, ref_cnt {ref}"
-        assert sorted(kvm.block_pool.free_queue) == [i for i in range(6) if ref[i] == 0], (
-            f"after {log}: the free queue must hold exactly the blocks nobody holds: {_state(kvm.block_pool)}")
+            tables = [kvm.get_block_ids(r.request_id) for r in reqs]
+            expect_equal(_state(kvm.block_pool)["ref_cnt"], [sum(t.count(i) for t in tables) for i in range(6)],
+                         f"after {log}: ref_cnt by block id, with tables {tables}")
+            expect_equal(sorted(kvm.block_pool.free_queue),
+                         [i for i in range(6) if all(i not in t for t in tables)],
+                         f"after {log}: the free queue holds exactly the blocks in no table ({tables})")
 
 
 # ---- end to end ------------------------------------------------------------------------------
 
 WORKLOAD = [(5 + 3 * i, 6 + (i * 5) % 9) for i in range(8)]  # (prompt length, max_tokens)
 SHARED_PREFIX = list(range(40, 52))  # 12 tokens: three blocks of 4
+ENGINE_ARGS = dict(block_size=4, num_gpu_blocks=14, max_num_batched_tokens=32, preemption_mode="recompute",
+                   swap_space=0, max_model_len=128)
+COUNTS = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
 
 
-def _engine_args(**overrides):
-    args = dict(device="cpu", block_size=4, num_gpu_blocks=14, max_num_batched_tokens=32, preemption_mode="recompute",
-                swap_space=0, max_model_len=128)
-    return {**args, **overrides}
+def _requests(prefix: bool) -> list:
+    return [(f"r{i}", (SHARED_PREFIX if prefix else []) + [(7 * i + j) % 500 + 3 for j in range(n)], m)
+            for i, (n, m) in enumerate(WORKLOAD)]
 
 
-def _prompts(prefix: bool) -> list[list[int]]:
-    return [(SHARED_PREFIX if prefix else []) + [(7 * i + j) % 500 + 3 for j in range(n)] for i, (n, _) in enumerate(WORKLOAD)]
-
-
-def _run(prefix: bool, max_steps: int = 500):
-    """Runs the workload to the end; returns (tokens by request, the engine)."""
-    from engine_core import LLMEngine
-
-    engine = LLMEngine.from_kwargs("tiny-llama", **_engine_args(enable_prefix_caching=prefix))
-    for i, (prompt, (_, max_tokens)) in enumerate(zip(_prompts(prefix), WORKLOAD)):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                           arrival_time=float(i))
-    tokens = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return tokens, engine
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
-    raise AssertionError(f"the engine made no progress: unfinished after {max_steps} steps ({engine.stats()})")
+def _run(prefix: bool):
+    return run_engine([_requests(prefix)], enable_prefix_caching=prefix, **ENGINE_ARGS)
 
 
 @functools.cache
-def _reference(prefix: bool):
-    tokens, engine = _run(prefix)
-    return tokens, engine.stats()
+def _reference(prefix: bool) -> tuple[dict, dict]:
+    """The reference engine's tokens and counts on the same workload (run outside any plug)."""
+    run = _run(prefix)
+    return run.tokens, {k: run.stats[k] for k in COUNTS}
 
 
-def _assert_same_tokens_no_leak(student, monkeypatch, prefix: bool):
-    want, ref_stats = _reference(prefix)  # the engine's own pieces, before any patch
-    assert ref_stats["num_preemptions"] > 0, "the workload must run out of blocks (a test bug, not yours)"
-    monkeypatch.setattr(BlockPool, "get_new_blocks", student.get_new_blocks)
-    monkeypatch.setattr(BlockPool, "free_blocks", student.free_blocks)
-    monkeypatch.setattr(KVCacheManager, "allocate_slots", student.allocate_slots)
-    got, engine = _run(prefix)
-    setup = f"tiny-llama, {_engine_args(enable_prefix_caching=prefix)}, (prompt length, max_tokens) {WORKLOAD}"
-    for rid in sorted(want):
-        if got.get(rid) != want[rid]:
-            first = next((k for k, (a, b) in enumerate(zip(got.get(rid) or [], want[rid])) if a != b), None)
-            raise AssertionError(f"{setup}: request {rid} generated {got.get(rid)}, the reference engine "
-                                 f"{want[rid]} (first difference at output token {first})")
-    pool = engine.scheduler.kv_cache_manager.block_pool
-    leaked = [b.block_id for b in pool.blocks if b.ref_cnt != 0]
-    assert not leaked and pool.num_free_blocks == pool.num_blocks, (
-        f"{setup}: every request finished, yet blocks {leaked} still have holders and {pool.num_free_blocks} of "
-        f"{pool.num_blocks} blocks are free ({_state(pool)})")
+def _check_engine(student, prefix: bool) -> None:
+    with plug(student, LAB) as plugged:
+        run = _run(prefix)
+    setup = (f"tiny-llama, 14 blocks of 4, budget 32, preemption by recompute, prefix caching "
+             f"{'on (a shared 12-token prefix)' if prefix else 'off'}, 8 requests (prompt length, max_tokens) {WORKLOAD}")
+    assert _reference(prefix)[1]["num_preemptions"] > 0, "the workload must run out of blocks (a test bug)"
+    expect_equal(plugged.uncalled(), [], f"{setup}: your functions the engine never called")
+    expect_equal(run.tokens, _reference(prefix)[0], f"{setup}: the tokens of each request")
+    expect_equal({k: run.stats[k] for k in COUNTS}, _reference(prefix)[1],
+                 f"{setup}: preemptions and prefix-cache counts (a correct allocator gives the reference engine's)")
+    expect_equal(run.held, [], f"{setup}: (pool, block, ref_cnt) still held after every request finished")
 
 
 @pytest.mark.points(3)
 @pytest.mark.task("end_to_end")
-def test_engine_tokens_match_under_memory_pressure(student, monkeypatch):
-    """The engine with your three pieces, 14 blocks of 4 for 8 requests: the reference tokens, no leaked block."""
-    _assert_same_tokens_no_leak(student, monkeypatch, prefix=False)
+@pytest.mark.end_to_end
+def test_engine_tokens_match_under_memory_pressure(student):
+    """The engine with your three pieces, 14 blocks of 4 for 8 requests: the reference tokens and
+    preemptions, no leaked block."""
+    _check_engine(student, prefix=False)
 
 
 @pytest.mark.points(2)
 @pytest.mark.task("end_to_end")
-def test_engine_tokens_match_with_prefix_caching(student, monkeypatch):
-    """The same with a shared 12-token prefix and prefix caching: hits, evictions, the reference tokens."""
-    _assert_same_tokens_no_leak(student, monkeypatch, prefix=True)
+@pytest.mark.end_to_end
+def test_engine_tokens_match_with_prefix_caching(student):
+    """The same with a shared 12-token prefix and prefix caching: the reference tokens, preemptions and
+    prefix-cache hits (hits lost to an early eviction or over-allocation show here)."""
+    _check_engine(student, prefix=True)

@@ -2,48 +2,40 @@
 
 The learner writes `_preempt(self, out)` and `choose_preemption_mode(self, request)` of
 `engine_core.core.scheduler.Scheduler`, and `swap_out(self, request)` / `swap_in(self, request)` of
-`engine_core.core.kv_cache_manager.KVCacheManager`, as plain functions. Unit tests plug in only the piece
-they grade (the engine's own code does the set-up and the rest); the end-to-end tests plug in all
-four and run tiny-llama under memory pressure: the tokens must equal the reference engine's on the
-same configuration, the preemption counts must be the ones derived by hand below, and every GPU
-and CPU block must be free at the end.
+`engine_core.core.kv_cache_manager.KVCacheManager`, as plain functions. Every test runs inside `plug(student, LAB)`
+(grader/plug.py): all four are the learner's, the engine's own raise. Unit tests build the state
+they start from directly (no seam runs during set-up); `_preempt`'s tests fix the mode on the
+scheduler instance, so a wrong choose_preemption_mode fails its own tests only, while swap
+preemption uses the learner's swap_out. The end-to-end tests run tiny-llama under memory
+pressure: the tokens must equal the reference engine's on the same configuration (computed after
+the plug ends), the preemption counts must be the ones derived by hand below, and every GPU and
+CPU block must be free at the end.
 """
 import functools
 
 import pytest
 import torch
 
-from engine_core import memory
-from engine_core.config import EngineConfig, KVCacheConfig, ResolvedConfig
-from engine_core.core.cost_model import PreemptionCostModel
-from engine_core.worker.kv_cache import KVCache
-from engine_core.core.kv_cache_manager import KVCacheManager
-from engine_core.memory import ModelSpec
-from engine_core.request import Request, RequestStatus, SamplingParams
-from engine_core.core.scheduler import Scheduler
-from engine_core.core.scheduler_output import SchedulerOutput
+from grader.harness import (TINY_SPEC, KVCache, ModelSpec, RequestStatus, SchedulerOutput, build_manager,
+                            make_request, make_scheduler, memory, run_engine)
+from grader.plug import plug
 
-TINY = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
-                 intermediate_size=128, vocab_size=512)  # tiny-llama's shape: 512 bytes of fp32 KV per token
+LAB = "03_preemption"
+TINY = TINY_SPEC  # tiny-llama's shape: 512 bytes of fp32 KV per token
 # Few weights, much KV per token (2 x 64 KV heads x 16 dims): at the default CPU rates recompute is cheaper.
 WIDE_KV = ModelSpec(num_layers=1, hidden_size=16, num_attention_heads=64, num_kv_heads=64, head_dim=16,
                     intermediate_size=16, vocab_size=16)
 
 
-def _scheduler(num_gpu_blocks, num_cpu_blocks=0, spec=TINY, kv_dtype="fp32", **config) -> Scheduler:
-    cfg = EngineConfig(**{"block_size": 4, "max_model_len": 256, "max_num_batched_tokens": 64, "device": "cpu",
-                          **config})
-    cost_model = PreemptionCostModel.for_device(spec, kv_dtype, "cpu", cfg.prefill_flops_per_s,
-                                                cfg.swap_bandwidth_bytes_per_s)
-    return Scheduler(ResolvedConfig.model_free(cfg), KVCacheConfig(num_gpu_blocks, num_cpu_blocks, 0), cost_model)
+def _scheduler(num_gpu_blocks, num_cpu_blocks=0, spec=TINY, kv_dtype="fp32", **config):
+    return make_scheduler(num_gpu_blocks, num_cpu_blocks, spec, kv_dtype, **{"max_num_batched_tokens": 64, **config})
 
 
-def _request(rid, n, priority=0, arrival=0.0, max_tokens=8) -> Request:
-    return Request(rid, list(range(3, 3 + n)), SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                   arrival_time=arrival, priority=priority)
+def _request(rid, n, priority=0, arrival=0.0, max_tokens=8):
+    return make_request(rid, list(range(3, 3 + n)), max_tokens, priority=priority, arrival=arrival)
 
 
-def _running(sched: Scheduler, specs) -> list[Request]:
+def _running(sched, specs) -> list:
     """specs: (rid, computed tokens, priority, arrival). Puts each in `running` with its blocks and KV computed
     (what the scheduler's admission and one forward pass would have done)."""
     reqs = []
@@ -62,21 +54,25 @@ def _running(sched: Scheduler, specs) -> list[Request]:
 
 @pytest.mark.points(2)
 @pytest.mark.task("choose_preemption_mode")
-def test_forced_modes_and_fallbacks(student, monkeypatch):
+def test_forced_modes_and_fallbacks(student):
     """preemption_mode forces the mode; swap falls back to recompute with no CPU room or nothing to copy."""
-    monkeypatch.setattr(Scheduler, "choose_preemption_mode", student.choose_preemption_mode)
-    cases = [  # (preemption_mode, CPU blocks, computed tokens, expected, why)
-        ("recompute", 8, 6, "recompute", "preemption_mode='recompute' forces it"),
-        ("swap", 8, 6, "swap", "preemption_mode='swap' with 2 of 8 CPU blocks needed"),
-        ("swap", 1, 6, "recompute", "6 computed tokens need 2 CPU blocks of 4, only 1 exists"),
-        ("auto", 0, 6, "recompute", "no CPU swap pool at all"),
-        ("swap", 8, 0, "recompute", "nothing computed yet: nothing to copy"),
+    slow_link = dict(swap_bandwidth_bytes_per_s=1.0)  # the cost model would recompute
+    cases = [  # (preemption_mode, CPU blocks, computed tokens, expected, why, more config)
+        ("recompute", 8, 6, "recompute", "preemption_mode='recompute' forces it", {}),
+        ("swap", 8, 6, "swap", "preemption_mode='swap' with 2 of 8 CPU blocks needed", {}),
+        ("swap", 8, 6, "swap", "preemption_mode='swap' forces it even over a 1 B/s host link", slow_link),
+        ("recompute", 8, 6, "recompute", "preemption_mode='recompute' forces it even where swap is free",
+         dict(swap_bandwidth_bytes_per_s=1e18)),
+        ("swap", 1, 6, "recompute", "6 computed tokens need 2 CPU blocks of 4, only 1 exists", {}),
+        ("auto", 0, 6, "recompute", "no CPU swap pool at all", {}),
+        ("swap", 8, 0, "recompute", "nothing computed yet: nothing to copy", {}),
     ]
-    for mode, cpu, n, want, why in cases:
-        sched = _scheduler(16, cpu, preemption_mode=mode)
+    for mode, cpu, n, want, why, more in cases:
+        sched = _scheduler(16, cpu, preemption_mode=mode, **more)
         (req,) = _running(sched, [("a", n, 0, 0.0)]) if n else [_request("a", 3)]
-        got = sched.choose_preemption_mode(req)
-        assert got == want, (f"preemption_mode={mode!r}, {cpu} CPU blocks, request with {n} computed tokens (block "
+        with plug(student, LAB):
+            got = sched.choose_preemption_mode(req)
+        assert got == want, (f"preemption_mode={mode!r}, {cpu} CPU blocks, {more or 'default rates'}, request with {n} computed tokens (block "
                              f"size 4): returned {got!r}, expected {want!r} ({why})")
 
 
@@ -88,9 +84,8 @@ def _break_even_bandwidth(spec, n, kv_dtype, flops_per_s):
 
 @pytest.mark.points(2)
 @pytest.mark.task("choose_preemption_mode")
-def test_auto_follows_the_cost_model(student, monkeypatch):
+def test_auto_follows_the_cost_model(student):
     """auto: swap when 2 x KV bytes / bandwidth < prefill FLOPs / FLOP/s, with the configured rates and KV dtype."""
-    monkeypatch.setattr(Scheduler, "choose_preemption_mode", student.choose_preemption_mode)
     for n in (4, 16, 60):
         for kv_dtype in ("fp32", "fp8"):
             bandwidth = _break_even_bandwidth(TINY, n, kv_dtype, 1e9)
@@ -98,7 +93,8 @@ def test_auto_follows_the_cost_model(student, monkeypatch):
                 sched = _scheduler(32, 32, kv_dtype=kv_dtype, preemption_mode="auto", prefill_flops_per_s=1e9,
                                    swap_bandwidth_bytes_per_s=bandwidth * factor)
                 (req,) = _running(sched, [("a", n, 0, 0.0)])
-                got = sched.choose_preemption_mode(req)
+                with plug(student, LAB):
+                    got = sched.choose_preemption_mode(req)
                 assert got == want, (
                     f"auto, {n} computed tokens of tiny-llama's shape, {kv_dtype} KV cache, 1e9 FLOP/s, host link "
                     f"{factor}x the break-even {bandwidth:.4g} B/s: returned {got!r}, expected {want!r} (swap = 2 x "
@@ -108,9 +104,8 @@ def test_auto_follows_the_cost_model(student, monkeypatch):
 
 @pytest.mark.points(1)
 @pytest.mark.task("choose_preemption_mode")
-def test_auto_uses_the_device_default_rates(student, monkeypatch):
+def test_auto_uses_the_device_default_rates(student):
     """Without configured rates, auto uses memory.DEFAULT_RATES of the device type ('cpu' here)."""
-    monkeypatch.setattr(Scheduler, "choose_preemption_mode", student.choose_preemption_mode)
     flops, bandwidth = memory.DEFAULT_RATES["cpu"]
     for name, spec in (("tiny-llama's shape", TINY), ("a model with little compute and wide KV", WIDE_KV)):
         n = 8
@@ -119,7 +114,8 @@ def test_auto_uses_the_device_default_rates(student, monkeypatch):
         want = "swap" if swap_s < recompute_s else "recompute"
         sched = _scheduler(32, 32, spec=spec, preemption_mode="auto")
         (req,) = _running(sched, [("a", n, 0, 0.0)])
-        got = sched.choose_preemption_mode(req)
+        with plug(student, LAB):
+            got = sched.choose_preemption_mode(req)
         assert got == want, (f"auto on CPU without configured rates, {name}, {n} tokens: swap {swap_s:.3g} s vs "
                              f"recompute {recompute_s:.3g} s at DEFAULT_RATES['cpu'] = {memory.DEFAULT_RATES['cpu']}; "
                              f"returned {got!r}, expected {want!r}")
@@ -129,31 +125,33 @@ def test_auto_uses_the_device_default_rates(student, monkeypatch):
 
 @pytest.mark.points(2)
 @pytest.mark.task("preempt")
-def test_victim_is_lowest_priority_then_latest_arrival(student, monkeypatch):
+def test_victim_is_lowest_priority_then_latest_arrival(student):
     """The victim has the largest `priority` value (least important); among those, the latest arrival."""
-    monkeypatch.setattr(Scheduler, "_preempt", student._preempt)
     sched = _scheduler(32, preemption_mode="recompute")
+    sched.choose_preemption_mode = lambda request: "recompute"  # this test grades _preempt alone
     specs = [("a", 3, 0, 1.0), ("b", 3, 1, 0.0), ("c", 3, 1, 2.0), ("d", 3, 0, 3.0)]
     _running(sched, specs)
     order = []
-    for _ in specs:
-        victim = sched._preempt(SchedulerOutput())
-        order.append(victim.request_id)
+    with plug(student, LAB):
+        for _ in specs:
+            victim = sched._preempt(SchedulerOutput())
+            order.append(victim.request_id)
     assert order == ["c", "b", "d", "a"], (f"running (id, priority, arrival) {[(s[0], s[2], s[3]) for s in specs]}: "
                                            f"you preempted in the order {order}, expected ['c', 'b', 'd', 'a']")
 
 
 @pytest.mark.points(1)
 @pytest.mark.task("preempt")
-def test_recompute_preemption(student, monkeypatch):
+def test_recompute_preemption(student):
     """Recompute: blocks freed, progress reset, the victim first in line for admission, counted."""
-    monkeypatch.setattr(Scheduler, "_preempt", student._preempt)
     sched = _scheduler(16, preemption_mode="recompute")
+    sched.choose_preemption_mode = lambda request: "recompute"  # this test grades _preempt alone
     a, b = _running(sched, [("a", 6, 0, 0.0), ("b", 5, 0, 1.0)])
     b.output_token_ids = [7, 9]  # b had generated two tokens: they stay, and are recomputed with the prompt
     sched.waiting.append(_request("w", 3))
     out = SchedulerOutput()
-    victim = sched._preempt(out)
+    with plug(student, LAB):
+        victim = sched._preempt(out)
     kvm = sched.kv_cache_manager
     assert victim is b, f"a (arrival 0) and b (arrival 1), same priority: victim {victim.request_id}, expected b"
     state = (b.status, b.num_computed_tokens, kvm.get_block_ids("b"), [r.request_id for r in sched.waiting],
@@ -170,18 +168,19 @@ def test_recompute_preemption(student, monkeypatch):
 
 @pytest.mark.points(2)
 @pytest.mark.task("preempt")
-def test_swap_preemption(student, monkeypatch):
-    """Swap: the KV copy is planned in out.swap_out, the victim keeps its progress and joins `swapped` in
-    (priority, arrival) order, so the most important request comes back first."""
-    monkeypatch.setattr(Scheduler, "_preempt", student._preempt)
+def test_swap_preemption(student):
+    """Swap: the KV copy is planned in out.swap_out (by your swap_out), the victim keeps its progress and
+    joins `swapped` in (priority, arrival) order, so the most important request comes back first."""
     sched = _scheduler(32, 16, preemption_mode="swap")
+    sched.choose_preemption_mode = lambda request: "swap"  # this test grades _preempt (and swap_out)
     _running(sched, [("a", 6, 0, 0.0), ("b", 3, 2, 1.0), ("c", 9, 1, 2.0), ("d", 5, 0, 3.0)])
     kvm = sched.kv_cache_manager
     order, copies = [], 0
     for _ in range(3):
         out = SchedulerOutput()
         victim_blocks = {r.request_id: kvm.get_block_ids(r.request_id) for r in sched.running}
-        victim = sched._preempt(out)
+        with plug(student, LAB):
+            victim = sched._preempt(out)
         order.append(victim.request_id)
         want = list(zip(victim_blocks[victim.request_id], kvm.get_cpu_block_ids(victim.request_id)))
         assert out.swap_out == want and len(want) == -(-victim.num_computed_tokens // 4), (
@@ -204,21 +203,21 @@ def test_swap_preemption(student, monkeypatch):
 # ---- task 3: swap_out / swap_in --------------------------------------------------------------
 
 def _manager_with(num_gpu, num_cpu, computed, allocated):
-    kvm = KVCacheManager(num_gpu_blocks=num_gpu, block_size=4, num_cpu_blocks=num_cpu)
-    kvm.allocate_slots(_request("x", 4), 4)  # another request holds block 0
+    """Request x holds GPU block 0; r holds blocks 1.. for `allocated` positions, `computed` of them written."""
+    table = list(range(1, 1 + -(-allocated // 4)))
+    kvm = build_manager(num_gpu, {"x": [0], "r": table}, num_cpu_blocks=num_cpu)
     req = _request("r", allocated)
-    kvm.allocate_slots(req, allocated)
     req.num_computed_tokens = computed
     return kvm, req
 
 
 @pytest.mark.points(2)
 @pytest.mark.task("swap")
-def test_swap_out_copies_written_blocks_only(student, monkeypatch):
+def test_swap_out_copies_written_blocks_only(student):
     """Blocks holding written KV are copied to fresh CPU blocks; all GPU blocks are freed, tail first."""
-    monkeypatch.setattr(KVCacheManager, "swap_out", student.swap_out)
     kvm, req = _manager_with(8, 4, computed=6, allocated=12)  # table [1, 2, 3]; KV written in positions 0..5
-    got = kvm.swap_out(req)
+    with plug(student, LAB):
+        got = kvm.swap_out(req)
     assert got == [(1, 0), (2, 1)], (f"table [1, 2, 3], 6 computed tokens (blocks of 4): swap_out returned {got}, "
                                      f"expected [(1, 0), (2, 1)]: (gpu, cpu) pairs for the 2 blocks with KV; block 3 "
                                      f"was allocated for this step's tokens but never written")
@@ -233,11 +232,10 @@ def test_swap_out_copies_written_blocks_only(student, monkeypatch):
 
 @pytest.mark.points(1)
 @pytest.mark.task("swap")
-def test_swap_out_rejects_without_cpu_room(student, monkeypatch):
+def test_swap_out_rejects_without_cpu_room(student):
     """Not enough free CPU blocks: ValueError, nothing changed (choose_preemption_mode should have said recompute)."""
-    monkeypatch.setattr(KVCacheManager, "swap_out", student.swap_out)
     kvm, req = _manager_with(8, 1, computed=6, allocated=8)
-    with pytest.raises(ValueError):
+    with plug(student, LAB), pytest.raises(ValueError):
         kvm.swap_out(req)
     assert (kvm.get_block_ids("r"), kvm.num_free_blocks, kvm.cpu_block_pool.num_free_blocks) == ([1, 2], 5, 1), (
         f"a rejected swap_out must change nothing: GPU table {kvm.get_block_ids('r')}, {kvm.num_free_blocks} GPU "
@@ -246,13 +244,15 @@ def test_swap_out_rejects_without_cpu_room(student, monkeypatch):
 
 @pytest.mark.points(2)
 @pytest.mark.task("swap")
-def test_swap_in_restores_the_table(student, monkeypatch):
+def test_swap_in_restores_the_table(student):
     """Swap-in takes fresh GPU blocks for the CPU blocks, in table order, and frees the CPU blocks."""
-    monkeypatch.setattr(KVCacheManager, "swap_in", student.swap_in)
-    kvm, req = _manager_with(8, 4, computed=6, allocated=8)
-    kvm.swap_out(req)  # the engine's swap_out: CPU table [0, 1]; GPU free queue [3, 4, 5, 6, 7, 2, 1]
-    kvm.allocate_slots(_request("y", 12), 12)  # blocks 3, 4, 5 go to another request meanwhile
-    got = kvm.swap_in(req)
+    # r (6 tokens of KV) was swapped out to CPU blocks [0, 1]; x holds GPU block 0 and y blocks 3, 4, 5
+    kvm = build_manager(8, {"x": [0], "y": [3, 4, 5]}, free_order=[6, 7, 2, 1], num_cpu_blocks=4,
+                        cpu_tables={"r": [0, 1]})
+    req = _request("r", 8)
+    req.num_computed_tokens = 6
+    with plug(student, LAB):
+        got = kvm.swap_in(req)
     assert got == [(0, 6), (1, 7)], (f"CPU table [0, 1], GPU free queue [6, 7, 2, 1]: swap_in returned {got}, "
                                      f"expected [(0, 6), (1, 7)] ((cpu, gpu) pairs, blocks from the free queue's front)")
     assert kvm.get_block_ids("r") == [6, 7] and kvm.get_cpu_block_ids("r") == [], (
@@ -262,13 +262,13 @@ def test_swap_in_restores_the_table(student, monkeypatch):
 
 @pytest.mark.points(1)
 @pytest.mark.task("swap")
-def test_swap_in_rejects_without_gpu_room(student, monkeypatch):
+def test_swap_in_rejects_without_gpu_room(student):
     """Not enough free GPU blocks: ValueError, nothing changed (the scheduler checks can_swap_in first)."""
-    monkeypatch.setattr(KVCacheManager, "swap_in", student.swap_in)
-    kvm, req = _manager_with(4, 4, computed=8, allocated=8)
-    kvm.swap_out(req)
-    kvm.allocate_slots(_request("y", 8), 8)  # 3 of 4 GPU blocks held: 1 free, r needs 2
-    with pytest.raises(ValueError):
+    # r (8 tokens of KV) sits in CPU blocks [0, 1]; x and y hold 3 of the 4 GPU blocks: 1 free, r needs 2
+    kvm = build_manager(4, {"x": [0], "y": [2, 1]}, num_cpu_blocks=4, cpu_tables={"r": [0, 1]})
+    req = _request("r", 8)
+    req.num_computed_tokens = 8
+    with plug(student, LAB), pytest.raises(ValueError):
         kvm.swap_in(req)
     assert (kvm.get_cpu_block_ids("r"), kvm.num_free_blocks, "r" in kvm.req_to_blocks) == ([0, 1], 1, False), (
         f"a rejected swap_in must change nothing: CPU table {kvm.get_cpu_block_ids('r')}, {kvm.num_free_blocks} GPU "
@@ -277,21 +277,20 @@ def test_swap_in_rejects_without_gpu_room(student, monkeypatch):
 
 @pytest.mark.points(2)
 @pytest.mark.task("swap")
-def test_swap_round_trip_keeps_the_kv(student, monkeypatch):
+def test_swap_round_trip_keeps_the_kv(student):
     """Executed on real KV tensors, your two plans bring back exactly the keys and values that left."""
-    monkeypatch.setattr(KVCacheManager, "swap_out", student.swap_out)
-    monkeypatch.setattr(KVCacheManager, "swap_in", student.swap_in)
     kvm, req = _manager_with(6, 4, computed=7, allocated=8)  # table [1, 2]
     cache = KVCache(2, 6, 4, 2, 3, torch.float32, torch.device("cpu"), num_cpu_blocks=4)
     gen = torch.Generator().manual_seed(0)
     for t in cache.key + cache.value:
         t.copy_(torch.randn(t.shape, generator=gen))
     before = [t[[1, 2]].reshape(-1, 2, 3)[:7].clone() for t in cache.key + cache.value]  # positions 0..6
-    cache.swap_out(kvm.swap_out(req))
-    kvm.allocate_slots(_request("y", 8), 8)  # another request takes the freed blocks (front of the queue: 3, 4)
-    for t in cache.key + cache.value:
-        t.fill_(-1.0)  # and overwrites every GPU block
-    mapping = kvm.swap_in(req)
+    with plug(student, LAB):
+        cache.swap_out(kvm.swap_out(req))
+        kvm.allocate_slots(_request("y", 8), 8)  # another request takes the freed blocks (front of the queue: 3, 4)
+        for t in cache.key + cache.value:
+            t.fill_(-1.0)  # and overwrites every GPU block
+        mapping = kvm.swap_in(req)
     cache.swap_in(mapping)
     table = kvm.get_block_ids("r")
     after = [t[table].reshape(-1, 2, 3)[:7] for t in cache.key + cache.value]
@@ -303,56 +302,34 @@ def test_swap_round_trip_keeps_the_kv(student, monkeypatch):
 
 # ---- end to end ------------------------------------------------------------------------------
 
-def _plug_in(student, monkeypatch):
-    monkeypatch.setattr(Scheduler, "_preempt", student._preempt)
-    monkeypatch.setattr(Scheduler, "choose_preemption_mode", student.choose_preemption_mode)
-    monkeypatch.setattr(KVCacheManager, "swap_out", student.swap_out)
-    monkeypatch.setattr(KVCacheManager, "swap_in", student.swap_in)
-
-
 BLOCK_BYTES = 4 * 512  # tiny-llama in fp32: 512 bytes of KV per token, blocks of 4 tokens
 
 
-def _run(prompts, max_tokens, max_steps=400, **engine_args):
-    """tiny-llama on `prompts` (arrival i for prompt i) to the end: (tokens by request id, stats, engine)."""
-    from engine_core import LLMEngine
-
-    engine = LLMEngine.from_kwargs("tiny-llama", device="cpu", block_size=4, max_model_len=64, **engine_args)
-    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
-        engine.add_request(f"r{i}", list(prompt), SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True),
-                           arrival_time=float(i))
-    tokens = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return tokens, engine.stats(), engine
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
-    raise AssertionError(f"the engine made no progress: unfinished after {max_steps} steps ({engine.stats()})")
+def _run(prompts, max_tokens, **engine_args):
+    """tiny-llama on `prompts` (arrival i for prompt i) to the end."""
+    return run_engine([[(f"r{i}", p, m) for i, (p, m) in enumerate(zip(prompts, max_tokens))]],
+                      block_size=4, max_model_len=64, **engine_args)
 
 
 @functools.cache
 def _reference(key):
     prompts, max_tokens, args = key
-    tokens, stats, _ = _run(prompts, max_tokens, **dict(args))
-    return tokens, stats
+    run = _run(prompts, max_tokens, **dict(args))
+    return run.tokens, run.stats
 
 
-def _check_run(student, monkeypatch, prompts, max_tokens, **engine_args):
+def _check_run(student, prompts, max_tokens, **engine_args):
     """Runs the workload with the learner's pieces; asserts the reference tokens and no leaked block."""
+    with plug(student, LAB):
+        run = _run(prompts, max_tokens, **engine_args)
     key = (tuple(map(tuple, prompts)), tuple(max_tokens), tuple(sorted(engine_args.items())))
-    want, ref_stats = _reference(key)  # the engine's own pieces, before any patch
-    with monkeypatch.context() as m:
-        _plug_in(student, m)
-        got, stats, engine = _run(prompts, max_tokens, **engine_args)
+    want, ref_stats = _reference(key)  # the engine's own pieces, after the plug ended
+    got, stats = run.tokens, run.stats
     setup = f"tiny-llama, blocks of 4, {engine_args}, prompt lengths {[len(p) for p in prompts]}, max_tokens {list(max_tokens)}"
     for rid in sorted(want):
         assert got.get(rid) == want[rid], (f"{setup}: request {rid} generated {got.get(rid)}, the reference engine "
                                            f"{want[rid]} (stats with your pieces: {stats})")
-    kvm = engine.scheduler.kv_cache_manager
-    held = [(pool, b.block_id) for pool, p in (("GPU", kvm.block_pool), ("CPU", kvm.cpu_block_pool))
-            for b in p.blocks if b.ref_cnt]
-    assert not held, f"{setup}: every request finished, yet these blocks are still held: {held}"
+    assert not run.held, f"{setup}: every request finished, yet these (pool, block, ref_cnt) are still held: {run.held}"
     return stats, ref_stats
 
 
@@ -373,7 +350,8 @@ def _expected_counts(recompute, swap):
 
 @pytest.mark.points(3)
 @pytest.mark.task("end_to_end")
-def test_designed_workload_preemption_counts(student, monkeypatch):
+@pytest.mark.end_to_end
+def test_designed_workload_preemption_counts(student):
     """Counts derived by hand, then checked with your pieces in the engine (tokens equal, nothing leaked).
 
     Step 1 admits r0..r3: 8 prompt tokens = 2 blocks each, all 8 blocks used; each samples its 1st token.
@@ -400,7 +378,7 @@ def test_designed_workload_preemption_counts(student, monkeypatch):
          _expected_counts(2, 0)),
     ]
     for args, want in cases:
-        stats, ref_stats = _check_run(student, monkeypatch, DESIGNED_PROMPTS, DESIGNED_MAX_TOKENS, num_gpu_blocks=8,
+        stats, ref_stats = _check_run(student, DESIGNED_PROMPTS, DESIGNED_MAX_TOKENS, num_gpu_blocks=8,
                                       max_num_batched_tokens=64, **args)
         assert _counts(ref_stats) == want, f"the reference engine disagrees with the derivation (a test bug): {ref_stats}"
         assert _counts(stats) == want, (f"designed workload (see this test's docstring), {args}: your pieces gave "
@@ -413,10 +391,11 @@ RANDOM_MAX_TOKENS = [6 + (5 * i) % 13 for i in range(10)]
 
 @pytest.mark.points(3)
 @pytest.mark.task("end_to_end")
-def test_engine_tokens_under_memory_pressure(student, monkeypatch):
+@pytest.mark.end_to_end
+def test_engine_tokens_under_memory_pressure(student):
     """10 requests on 16 blocks of 4, in recompute, swap and auto mode: the reference tokens, no leaked block."""
     for mode in ("recompute", "swap", "auto"):
-        stats, _ = _check_run(student, monkeypatch, RANDOM_PROMPTS, RANDOM_MAX_TOKENS, num_gpu_blocks=16,
+        stats, _ = _check_run(student, RANDOM_PROMPTS, RANDOM_MAX_TOKENS, num_gpu_blocks=16,
                               max_num_batched_tokens=32, preemption_mode=mode, swap_space=16 * BLOCK_BYTES / 2**30)
         key = {"recompute": "num_preemptions_recompute", "swap": "num_preemptions_swap", "auto": "num_preemptions"}
         assert stats[key[mode]] > 0, f"preemption_mode={mode!r}: expected {key[mode]} > 0 under this pressure, {stats}"

@@ -16,6 +16,8 @@ BUGS = [
     PlantedBug("swap_cost_one_way", "swap_s = 2 * n *", "swap_s = n *"),
     PlantedBug("swap_cost_assumes_fp16", "kv_cache_bytes_per_token(cm.model_spec, cm.kv_cache_dtype)",
                'kv_cache_bytes_per_token(cm.model_spec, "fp16")'),
+    # a forced mode that consults the cost model anyway (tiny-llama at the CPU default rates prefers swap)
+    PlantedBug("forced_swap_follows_the_cost_model", '    if mode == "swap":\n        return "swap"\n', ""),
     PlantedBug("forced_swap_without_cpu_room", " or not self.kv_cache_manager.can_swap_out(request)", ""),
     PlantedBug("swap_out_copies_whole_table", "n = cdiv(request.num_computed_tokens, self.block_size)",
                "n = len(self.req_to_blocks.get(rid, []))"),

@@ -2,28 +2,23 @@
 
 The learner writes three methods of `engine_core.core.scheduler.Scheduler` as plain functions
 (`self` first): `_num_new_tokens` (the chunking rule), `_admit_waiting` (FCFS admission) and
-`schedule` (running requests first, then swapped, then waiting). Each test plugs in only the
-piece it grades (monkeypatch on the class), so one wrong function fails its own tests; the
-end-to-end test plugs in all three and runs the real engine against the reference engine.
-Unit tests drive the Scheduler with `fake_runner.FakeRunner`, whose output depends on getting
-every block and chunk position right; expected values are worked out by hand in comments.
+`schedule` (running requests first, then swapped, then waiting). Every test runs inside
+`plug(student, LAB)` (grader/plug.py): the three are the learner's and call each other (a wrong
+_num_new_tokens also fails the tests of the two that use it); the engine's own raise. Set-up never
+runs a seam of this lab. The end-to-end test runs the real engine against the reference engine.
+Unit tests drive the Scheduler with `harness.FakeRunner`, whose output depends on getting every
+block and chunk position right; expected values are worked out by hand in comments.
 """
 import functools
 import random
 
 import pytest
 
-from engine_core.request import RequestStatus
-from engine_core.core.scheduler import Scheduler
-from engine_core.core.scheduler_output import SchedulerOutput
-from grader.labtests.fake_runner import (FakeRunner, assert_no_leaked_blocks, make_request, make_scheduler,
-                                         reference_output, step)
+from grader.harness import (FakeRunner, RequestStatus, ScheduledChunk, SchedulerOutput, assert_no_leaked_blocks,
+                            make_request, make_scheduler, reference_output, run_engine, run_to_completion, step)
+from grader.plug import plug
 
-
-def plug(monkeypatch, student, *names):
-    """Replace Scheduler.<name> by the learner's function of the same name."""
-    for name in names:
-        monkeypatch.setattr(Scheduler, name, getattr(student, name))
+LAB = "04_chunked_prefill"
 
 
 def chunks_of(out):
@@ -33,7 +28,8 @@ def chunks_of(out):
 # ---- task 1: _num_new_tokens -------------------------------------------------------------
 
 def _new_tokens(student, sched, request, budget, num_computed=None):
-    got = student._num_new_tokens(sched, request, budget, num_computed)
+    with plug(student, LAB):
+        got = sched._num_new_tokens(request, budget, num_computed)
     assert isinstance(got, int), f"_num_new_tokens returned {got!r}, expected an int"
     return got
 
@@ -81,8 +77,22 @@ def test_num_computed_argument_overrides(student):
 
 def _admit(student, sched, budget):
     out = SchedulerOutput()
-    student._admit_waiting(sched, out, budget)
+    with plug(student, LAB):
+        sched._admit_waiting(out, budget)
     return out
+
+
+def _prefilled(sched, runner, request):
+    """`request` admitted and its whole prompt computed in one forward pass, set up without any seam of
+    this lab: running, its blocks allocated and cached (as schedule() then update_from_output leave it)."""
+    kvm = sched.kv_cache_manager
+    kvm.allocate_slots(request, request.num_tokens)
+    sched.requests[request.request_id] = request
+    request.status = RequestStatus.RUNNING
+    sched.running.append(request)
+    out = SchedulerOutput([ScheduledChunk(request, 0, request.num_tokens, kvm.get_block_ids(request.request_id),
+                                          resumed=True)])
+    sched.update_from_output(out, runner.execute(out))
 
 
 @pytest.mark.points(2)
@@ -134,13 +144,11 @@ def test_admit_respects_max_num_seqs(student):
 
 @pytest.mark.points(2)
 @pytest.mark.task("_admit_waiting")
-def test_admit_prefix_hit_starts_after_cached_tokens(student, monkeypatch):
+def test_admit_prefix_hit_starts_after_cached_tokens(student):
     """A prefix-cache hit: the request starts at the cached tokens, which count as hits."""
-    plug(monkeypatch, student, "_admit_waiting")
     sched = make_scheduler(64, enable_prefix_caching=True)
     runner = FakeRunner(64, 4)
-    sched.add_request(make_request("a", 10, max_tokens=8))
-    step(sched, runner)  # a's 10 tokens computed: blocks [1-4] and [5-8] are cached
+    _prefilled(sched, runner, make_request("a", 10, max_tokens=8))  # blocks [1-4] and [5-8] are cached
     sched.add_request(make_request("b", list(range(1, 9)) + [30, 31, 32], max_tokens=3))
     out = _admit(student, sched, 16)
     assert chunks_of(out) == [("b", 8, 3)], (
@@ -154,13 +162,12 @@ def test_admit_prefix_hit_starts_after_cached_tokens(student, monkeypatch):
     assert kvm.get_block_ids("b")[:2] == kvm.get_block_ids("a")[:2], (
         f"b's table {kvm.get_block_ids('b')} must start with a's cached blocks {kvm.get_block_ids('a')[:2]}")
     stats = sched.stats()
-    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (10 + 11, 8), (
-        f"queries count every admitted token (a: 10, b: 11), hits the cached ones (8): got "
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (11, 8), (
+        f"queries count every admitted token (b: 11; a was set up directly), hits the cached ones (8): got "
         f"{stats['prefix_cache_queries']} queries, {stats['prefix_cache_hits']} hits")
     outputs = {r.request_id: r.output_token_ids for r in sched.update_from_output(out, runner.execute(out))}
-    while sched.has_unfinished_requests():
-        for r in sched.update_from_output(out := sched.schedule(), runner.execute(out)):
-            outputs[r.request_id] = r.output_token_ids
+    with plug(student, LAB):
+        run_to_completion(sched, runner, max_steps=200, outputs=outputs)
     assert outputs["b"] == reference_output(list(range(1, 9)) + [30, 31, 32], 3), "b's tokens are wrong after the hit"
 
 
@@ -168,24 +175,26 @@ def test_admit_prefix_hit_starts_after_cached_tokens(student, monkeypatch):
 
 @pytest.mark.points(2)
 @pytest.mark.task("schedule")
-def test_running_before_waiting(student, monkeypatch):
+def test_running_before_waiting(student):
     """Running requests (decodes, unfinished chunks) are served first, waiting ones get the rest."""
-    plug(monkeypatch, student, "schedule")
     sched = make_scheduler(64)  # budget 16
     runner = FakeRunner(64, 4)
     sched.add_request(make_request("a", 3, max_tokens=10))
     sched.add_request(make_request("b", 20, max_tokens=10))
-    out = step(sched, runner)
+    with plug(student, LAB):
+        out = step(sched, runner)
     assert chunks_of(out) == [("a", 0, 3), ("b", 0, 13)], (
         f"step 1, budget 16, waiting a(3) b(20): expected [('a', 0, 3), ('b', 0, 13)], got {chunks_of(out)}")
     sched.add_request(make_request("c", 6, max_tokens=10))
-    out = step(sched, runner)
+    with plug(student, LAB):
+        out = step(sched, runner)
     # a decodes (1), b's next chunk (7 left), c gets the 8 tokens that remain of 16: 6
     assert chunks_of(out) == [("a", 3, 1), ("b", 13, 7), ("c", 0, 6)], (
         f"step 2: a decodes, b finishes its prompt (7 tokens), then c (6) is admitted: expected "
         f"[('a', 3, 1), ('b', 13, 7), ('c', 0, 6)], got {chunks_of(out)}")
     sched.add_request(make_request("d", 30, max_tokens=10))
-    out = step(sched, runner)
+    with plug(student, LAB):
+        out = step(sched, runner)
     assert chunks_of(out) == [("a", 4, 1), ("b", 20, 1), ("c", 6, 1), ("d", 0, 13)], (
         f"step 3: three decodes first, then d's first chunk of 13: got {chunks_of(out)}")
     assert out.total_num_scheduled_tokens == 16
@@ -215,10 +224,14 @@ def _check_step(out, sched, budget, max_num_seqs, where):
             f"{c.request.num_computed_tokens} with at least 1 token")
 
 
-def _run_workload(student, monkeypatch, workload, num_blocks, arrivals_per_step=3, **config):
-    plug(monkeypatch, student, "schedule")
+def _run_workload(student, workload, num_blocks, arrivals_per_step=3, **config):
+    with plug(student, LAB):
+        return _run_workload_plugged(workload, num_blocks, arrivals_per_step, **config)
+
+
+def _run_workload_plugged(workload, num_blocks, arrivals_per_step=3, **config):
     sched = make_scheduler(num_blocks, **config)
-    runner = FakeRunner(num_blocks, sched.block_size)
+    runner = FakeRunner.for_scheduler(sched)
     pending, outputs, steps = list(workload), {}, 0
     while pending or sched.has_unfinished_requests():
         for rid, prompt, max_tokens, *priority in pending[:arrivals_per_step]:
@@ -240,33 +253,32 @@ def _run_workload(student, monkeypatch, workload, num_blocks, arrivals_per_step=
 
 @pytest.mark.points(3)
 @pytest.mark.task("schedule")
-def test_budget_and_max_num_seqs_never_exceeded(student, monkeypatch):
+def test_budget_and_max_num_seqs_never_exceeded(student):
     """Random workloads: every step within budget and max_num_seqs, and the reference tokens."""
     rng = random.Random(4)
     for config in (dict(max_num_batched_tokens=16), dict(max_num_batched_tokens=7, max_num_seqs=2),
                    dict(max_num_batched_tokens=32, long_prefill_token_threshold=5),
                    dict(enable_chunked_prefill=False, max_model_len=128)):
-        _run_workload(student, monkeypatch, _random_workload(rng, 12), 128, **config)
+        _run_workload(student, _random_workload(rng, 12), 128, **config)
 
 
 @pytest.mark.points(3)
 @pytest.mark.task("schedule")
-def test_long_prompt_never_stalls_decodes(student, monkeypatch):
+def test_long_prompt_never_stalls_decodes(student):
     """Three requests are decoding when a 200-token prompt arrives: each still gets a token every step."""
-    plug(monkeypatch, student, "schedule")
     sched = make_scheduler(128)  # budget 16, blocks of 4
     runner = FakeRunner(128, 4)
     for rid in "abc":
-        sched.add_request(make_request(rid, 4, max_tokens=40))
-    step(sched, runner)  # a, b, c prefilled: each has its first token
+        _prefilled(sched, runner, make_request(rid, 4, max_tokens=40))  # each has its first token
     sched.add_request(make_request("long", 200, max_tokens=2))
     long_chunks, token_steps = [], {rid: [] for rid in "abc"}
-    for k in range(1, 20):
-        out = step(sched, runner)
-        long_chunks += [c.num_tokens for c in out.scheduled if c.request.request_id == "long"]
-        for rid in "abc":
-            if any(c.request.request_id == rid for c in out.scheduled):
-                token_steps[rid].append(k)
+    with plug(student, LAB):
+        for k in range(1, 20):
+            out = step(sched, runner)
+            long_chunks += [c.num_tokens for c in out.scheduled if c.request.request_id == "long"]
+            for rid in "abc":
+                if any(c.request.request_id == rid for c in out.scheduled):
+                    token_steps[rid].append(k)
     for rid, steps in token_steps.items():
         gaps = [b - a for a, b in zip([0] + steps, steps)]
         assert steps and max(gaps) == 1, (
@@ -279,17 +291,23 @@ def test_long_prompt_never_stalls_decodes(student, monkeypatch):
 
 @pytest.mark.points(2)
 @pytest.mark.task("schedule")
-def test_preemption_under_memory_pressure(student, monkeypatch):
+def test_preemption_under_memory_pressure(student):
     """Too few blocks for everyone: preempted requests are dropped from the step, recomputed later,
     and every request still produces the reference tokens with no block leaked. Priorities differ, so
-    a victim (lowest priority: largest value) may already have a chunk in the step being planned."""
+    a victim (lowest priority: largest value) may already have a chunk in the step being planned; one
+    configuration has a CPU swap pool, so victims are swapped out and brought back."""
     rng = random.Random(5)
     for num_blocks, config in ((12, dict(max_num_batched_tokens=16)), (9, dict(max_num_batched_tokens=10)),
-                               (16, dict(max_num_batched_tokens=16, enable_prefix_caching=True))):
+                               (16, dict(max_num_batched_tokens=16, enable_prefix_caching=True)),
+                               # a CPU swap pool: swapped requests come back before any admission
+                               (10, dict(max_num_batched_tokens=16, num_cpu_blocks=24, preemption_mode="swap"))):
         workload = [(f"r{i}", [rng.randrange(1, 50) for _ in range(rng.randrange(2, 20))], rng.randrange(4, 14),
                      rng.randrange(3)) for i in range(8)]
-        sched = _run_workload(student, monkeypatch, workload, num_blocks, arrivals_per_step=8, **config)
-        assert sched.stats()["num_preemptions"] > 0, f"{num_blocks} blocks, {config}: the workload never preempted"
+        sched = _run_workload(student, workload, num_blocks, arrivals_per_step=8, **config)
+        stats = sched.stats()
+        assert stats["num_preemptions"] > 0, f"{num_blocks} blocks, {config}: the workload never preempted (a test bug)"
+        if "num_cpu_blocks" in config:
+            assert stats["num_blocks_swapped_in"] > 0, f"{config}: nothing was swapped back in (a test bug): {stats}"
 
 
 ENGINE_PROMPTS = [[(7 * i + 3 * k) % 500 + 3 for k in range(n)] for i, n in enumerate((5, 40, 23, 60, 9, 30))]
@@ -298,37 +316,29 @@ ENGINE_CONFIGS = ((("max_num_batched_tokens", 16), ("long_prefill_token_threshol
                   (("enable_chunked_prefill", False), ("max_model_len", 128)))
 
 
-def run_engine(config: tuple) -> tuple:
-    """tiny-llama on ENGINE_PROMPTS, two arriving per step while earlier ones decode: (engine, tokens by id)."""
-    from engine_core import LLMEngine, SamplingParams
-
-    engine = LLMEngine.from_kwargs("tiny-llama", device="cpu", num_gpu_blocks=32, swap_space=0, **dict(config))
-    outputs = {}
-    for i, (prompt, max_tokens) in enumerate(zip(ENGINE_PROMPTS, ENGINE_MAX_TOKENS)):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-        if i % 2:
-            outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
-    while engine.has_unfinished_requests():
-        outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
-    return engine, outputs
+def _engine_run(config: tuple):
+    """tiny-llama on ENGINE_PROMPTS, two arriving per step while earlier ones decode."""
+    requests = [(f"r{i}", p, m) for i, (p, m) in enumerate(zip(ENGINE_PROMPTS, ENGINE_MAX_TOKENS))]
+    return run_engine([requests[i:i + 2] for i in range(0, len(requests), 2)], steps_per_wave=1, num_gpu_blocks=32,
+                      swap_space=0, **dict(config))
 
 
 @functools.cache
 def reference_engine_tokens(config: tuple) -> dict:
     """The unmodified engine's tokens (computed once per process: the planted-bug runs share it)."""
-    return run_engine(config)[1]
+    return _engine_run(config).tokens
 
 
 @pytest.mark.points(3)
 @pytest.mark.task("schedule")
-def test_engine_matches_reference_tokens(student, monkeypatch):
+@pytest.mark.end_to_end
+def test_engine_matches_reference_tokens(student):
     """The real engine (tiny-llama) with all three of your methods produces the reference engine's
     tokens, chunked prefill on (small budget, a threshold) and off, and frees every block."""
     for config in ENGINE_CONFIGS:
-        want = reference_engine_tokens(config)
-        with monkeypatch.context() as m:
-            plug(m, student, "schedule", "_admit_waiting", "_num_new_tokens")
-            engine, got = run_engine(config)
+        with plug(student, LAB):
+            run = _engine_run(config)
+        engine, got, want = run.engine, run.tokens, reference_engine_tokens(config)
         for rid in want:
             assert got.get(rid) == want[rid], (f"{dict(config)}: request {rid} (prompt of "
                                                f"{len(ENGINE_PROMPTS[int(rid[1:])])} tokens) produced {got.get(rid)}, "

@@ -12,6 +12,7 @@ BUGS = [
     PlantedBug("running_budget_not_decremented", "        budget -= num_new\n        i = self.running.index(request) + 1",
                "        i = self.running.index(request) + 1"),
     PlantedBug("victim_chunk_kept", "dropped = chunks.pop(victim.request_id, None)", "dropped = None"),
+    PlantedBug("swapped_never_resumed", "        budget = self._swap_in(out, budget)\n", ""),
     PlantedBug("admits_while_preempting", "if not out.preempted_request_ids:", "if True:"),
     PlantedBug("waiting_before_running", "    i = 0\n    while i < len(self.running) and budget > 0:",
                "    i = len(self.running)\n    self._admit_waiting(out, budget)\n"

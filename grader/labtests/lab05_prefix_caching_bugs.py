@@ -4,6 +4,12 @@ from grader.bugs import PlantedBug
 BUGS = [
     PlantedBug("hash_not_chained", "pickle.dumps((parent_hash, tokens, extra_keys)", "pickle.dumps((tokens, extra_keys)"),
     PlantedBug("lora_id_not_hashed", "pickle.dumps((parent_hash, tokens, extra_keys)", "pickle.dumps((parent_hash, tokens)"),
+    # structured blocks: XOR chaining cancels on a repeated block; sorted tokens ignore their order
+    PlantedBug("hash_xor_chain", 'return BlockHash(int.from_bytes(digest[:16], "little"), tokens, extra_keys)',
+               'return BlockHash((parent_hash or 0) ^ int.from_bytes(hashlib.sha256(pickle.dumps((tokens, extra_keys))).digest()[:16], "little"), tokens, extra_keys)'),
+    PlantedBug("hash_ignores_order", "pickle.dumps((parent_hash, tokens, extra_keys)", "pickle.dumps((parent_hash, tuple(sorted(tokens)), extra_keys)"),
+    PlantedBug("hits_capped_by_the_prompt", "max_blocks = (request.num_tokens - 1) // self.block_size",
+               "max_blocks = (request.num_prompt_tokens - 1) // self.block_size"),
     PlantedBug("tokens_not_kept", 'return BlockHash(int.from_bytes(digest[:16], "little"), tokens, extra_keys)',
                'return BlockHash(int.from_bytes(digest[:16], "little"), (), extra_keys)'),
     PlantedBug("full_hit_allowed", "max_blocks = (request.num_tokens - 1) // self.block_size",

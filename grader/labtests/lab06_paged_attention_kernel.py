@@ -5,8 +5,10 @@ Expected values come from a float64 oracle written here (each sequence's K/V rea
 through its block table, plain softmax), never from the solution. Without CUDA the kernels run
 under the Triton interpreter, which must be chosen before any kernel is decorated: this module
 sets TRITON_INTERPRET=1 at import (it is imported before the notebook's cells run). Shapes stay
-small because the interpreter is slow. The end-to-end test plugs the learner's launcher in at the
-engine's decode seam, `kernels.triton.decode_attention.paged_attention_decode`.
+small because the interpreter is slow. The kernel tests and the end-to-end test run inside
+`plug(student, LAB)` (grader/plug.py): the learner's launcher is the engine's decode seam,
+`kernels.triton.decode_attention.paged_attention_decode`, and the engine's own decode kernels
+(Triton and PyTorch) raise while it is plugged.
 """
 import functools
 import os
@@ -15,6 +17,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from grader.harness import run_engine
+from grader.plug import plug
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -104,8 +109,9 @@ def run_decode(student, batch, scale=SCALE):
     counter = CountLaunches(kernel)
     launcher.__globals__["paged_decode_kernel"] = counter  # the name the launcher resolves at call time
     try:
-        out = launcher(batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
-                       batch["seq_lens"], scale)
+        with plug(student, LAB):
+            out = launcher(batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+                           batch["seq_lens"], scale)
     finally:
         launcher.__globals__["paged_decode_kernel"] = kernel
     assert counter.launches, ("paged_attention_decode returned without launching paged_decode_kernel: the task is "
@@ -285,44 +291,35 @@ def reference_tokens(device):
 def greedy_tokens(device, backend):
     """Two requests whose contexts cross block boundaries while decoding; every step after the
     first is decode-only, so the decode op runs 2 layers x 4 steps."""
-    from engine_core import LLM, SamplingParams
-
-    llm = LLM("tiny-llama", device=device, dtype="float32", attention_backend=backend, block_size=8,
-              num_gpu_blocks=16, seed=0)
     prompts = [[5, 17, 2, 99, 41, 7], [300, 12, 8, 64, 1, 250, 33, 90, 18, 6, 77, 3, 150, 21]]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), use_tqdm=False)
-    pool = llm.engine.scheduler.kv_cache_manager.block_pool
-    return [list(o.outputs[0].token_ids) for o in outs], pool.num_blocks - pool.num_free_blocks
+    run = run_engine([[("r0", prompts[0], 5), ("r1", prompts[1], 5)]], device=device, dtype="float32",
+                     attention_backend=backend, block_size=8, num_gpu_blocks=16, seed=0)
+    return [run.tokens["r0"], run.tokens["r1"]], len(run.held)
 
 
 @pytest.mark.points(3)
 @pytest.mark.task("paged_attention_decode")
+@pytest.mark.end_to_end
 def test_engine_generates_reference_tokens(student, monkeypatch):
     """The engine with the learner's launcher as its decode op gives the reference engine's greedy
     tokens and frees every block. Without CUDA only the decode op runs in the interpreter: the
     prefill and cache-write ops are set to the reference ones, which the reference engine also uses."""
     from kernels import reference
     from kernels.triton import cache as cache_mod
-    from kernels.triton import decode_attention as decode_mod
     from kernels.triton import prefill_attention as prefill_mod
 
     device = DEVICE.type
-    want = reference_tokens(device)
-    calls = []
-
-    def learner_decode(*args, **kwargs):
-        calls.append(len(args[4]))  # no host read of seq_lens: on CUDA this may run inside graph capture
-        return student.paged_attention_decode(*args, **kwargs)
-
-    monkeypatch.setattr(decode_mod, "paged_attention_decode", learner_decode)
-    if device == "cpu":
+    if device == "cpu":  # not seams of this lab: the interpreter would run them too, slowly
         monkeypatch.setattr(prefill_mod, "paged_attention", reference.paged_attention)
         monkeypatch.setattr(cache_mod, "reshape_and_cache", reference.reshape_and_cache)
-    got, leaked = greedy_tokens(device, "triton")
+    with plug(student, LAB) as plugged:
+        got, leaked = greedy_tokens(device, "triton")
+    calls = plugged.calls["paged_attention_decode"]
+    want = reference_tokens(device)
     assert calls, "the engine never called the decode op: the seam kernels.triton.decode_attention is not in use"
     assert got == want, (
         f"tiny-llama, greedy, 2 prompts of 6 and 14 tokens, block_size 8: your kernel as the decode op "
-        f"({len(calls)} calls) generated {got}, the reference engine {want}")
+        f"({calls} calls) generated {got}, the reference engine {want}")
     assert leaked == 0, f"{leaked} KV blocks still allocated after every request finished"
 
 
@@ -354,5 +351,12 @@ def test_decode_throughput_vs_reference(student):
         # p to bf16 (2^-8 relative) for the PV product, so they differ by ~1e-4; a wrong kernel by ~1e-2
         torch.testing.assert_close(out, ref, atol=1e-3, rtol=1.6e-2)
 
-    assert_throughput(lambda: student.paged_attention_decode(*args), lambda: reference_decode(*args, num_splits=1),
-                      bytes_moved=kv_bytes + 2 * query.numel() * query.element_size(), min_ratio=0.8, check=close)
+    plugged = plug(student, LAB)
+
+    def reference():  # the engine's own kernel, timed in turn with the learner's (which stays tripwired)
+        with plugged.suspended():
+            return reference_decode(*args, num_splits=1)
+
+    with plugged:
+        assert_throughput(lambda: student.paged_attention_decode(*args), reference,
+                          bytes_moved=kv_bytes + 2 * query.numel() * query.element_size(), min_ratio=0.8, check=close)

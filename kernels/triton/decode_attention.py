@@ -156,6 +156,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return splits
 
 
+# seam: lab 06 (grader/seams.py)
 def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,

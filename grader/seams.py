@@ -1,0 +1,162 @@
+"""The seam table: for each lab, the engine attributes the learner's functions replace.
+
+A seam is one attribute of an engine class or module (`owner.attr`) that a lab strips and the
+learner rewrites as a plain function named `student_name` (a method takes `self` first). Owners
+are dotted-path strings resolved when used, so moving an engine file is a string edit here and
+in grader/harness.py, nowhere else. `private_state` names the engine state the learner's
+function may read or write (attributes, private helpers): it is the contract, and
+tests/test_seams.py fails when one of them is renamed. `helpers` are further engine functions
+whose bodies are the same answer (weight_bytes is num_params x bytes): grading treats them like
+the seam itself (tripwired while the lab is plugged, removed from the batch grading kit).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+# The engine's places, named once (the rename point).
+BLOCK_POOL_MODULE = "engine_core.core.block_pool"
+KV_CACHE_MANAGER_MODULE = "engine_core.core.kv_cache_manager"
+SCHEDULER_MODULE = "engine_core.core.scheduler"
+MEMORY = "engine_core.memory"
+DECODE_ATTENTION = "kernels.triton.decode_attention"
+KERNELS_REFERENCE = "kernels.reference"
+BLOCK_POOL = f"{BLOCK_POOL_MODULE}.BlockPool"
+BLOCK = f"{BLOCK_POOL_MODULE}.KVCacheBlock"
+KV_CACHE_MANAGER = f"{KV_CACHE_MANAGER_MODULE}.KVCacheManager"
+SCHEDULER = f"{SCHEDULER_MODULE}.Scheduler"
+COST_MODEL = "engine_core.core.cost_model.PreemptionCostModel"
+COUNTERS = "engine_core.metrics.Stats"
+
+
+@dataclass(frozen=True)
+class Seam:
+    """`owner.attr` of the engine, replaced by the notebook's `student_name` in lab `lab`."""
+
+    lab: str
+    owner: str  # dotted path of a class or a module
+    attr: str
+    student_name: str
+    private_state: tuple[str, ...] = ()  # dotted "Class.attr" paths the learner's function may touch
+    helpers: tuple[str, ...] = ()  # dotted paths of engine functions that hold the same answer
+    same_parameter_names: bool = True  # False only where the engine names its parameters differently
+
+    @property
+    def qualname(self) -> str:
+        """`BlockPool.get_new_blocks` or `memory.weight_bytes`: how messages name the seam."""
+        return f"{self.owner.rsplit('.', 1)[-1]}.{self.attr}"
+
+    @property
+    def dotted(self) -> str:
+        return f"{self.owner}.{self.attr}"
+
+
+def _state(owner: str, *names: str) -> tuple[str, ...]:
+    return tuple(f"{owner}.{name}" for name in names)
+
+
+LAB00, LAB01, LAB02, LAB03 = "00_warmup", "01_kv_cache_math", "02_paged_kv_blocks", "03_preemption"
+LAB04, LAB05, LAB06 = "04_chunked_prefill", "05_prefix_caching", "06_paged_attention_kernel"
+
+SEAMS: tuple[Seam, ...] = (
+    # engine call sites pass cdiv's two arguments positionally; the exercise names them
+    Seam(LAB00, KV_CACHE_MANAGER_MODULE, "cdiv", "num_blocks_needed", same_parameter_names=False),
+
+    Seam(LAB01, MEMORY, "kv_cache_bytes_per_token", "kv_cache_bytes_per_token"),
+    Seam(LAB01, MEMORY, "weight_bytes", "weight_bytes",
+         helpers=(f"{MEMORY}.num_params", f"{MEMORY}._layer_params")),
+    Seam(LAB01, MEMORY, "max_concurrent_requests", "max_concurrent_requests"),
+    Seam(LAB01, MEMORY, "decode_step_lower_bound", "decode_step_lower_bound"),
+    Seam(LAB01, MEMORY, "prefill_lower_bound", "prefill_lower_bound"),
+    Seam(LAB01, MEMORY, "capacity_plan", "capacity_plan",
+         helpers=(f"{MEMORY}._replica_plan", f"{MEMORY}.replica_estimates")),
+
+    Seam(LAB02, BLOCK_POOL, "get_new_blocks", "get_new_blocks",
+         _state(BLOCK_POOL, "free_queue", "_evict") + _state(BLOCK, "ref_cnt")),
+    Seam(LAB02, BLOCK_POOL, "free_blocks", "free_blocks",
+         _state(BLOCK_POOL, "free_queue") + _state(BLOCK, "ref_cnt", "block_id")),
+    Seam(LAB02, KV_CACHE_MANAGER, "allocate_slots", "allocate_slots",
+         _state(KV_CACHE_MANAGER, "req_to_blocks", "num_cached_blocks", "block_pool", "block_size")
+         + _state(BLOCK, "ref_cnt")),
+
+    Seam(LAB03, SCHEDULER, "choose_preemption_mode", "choose_preemption_mode",
+         _state(SCHEDULER, "config", "kv_cache_manager", "cost_model")
+         + _state(COST_MODEL, "model_spec", "kv_cache_dtype", "prefill_flops_per_s", "swap_bytes_per_s")),
+    Seam(LAB03, SCHEDULER, "_preempt", "_preempt",
+         _state(SCHEDULER, "running", "waiting", "swapped", "counters", "kv_cache_manager")
+         + _state(COUNTERS, "num_preemptions_recompute", "num_preemptions_swap", "num_blocks_swapped_out")),
+    Seam(LAB03, KV_CACHE_MANAGER, "swap_out", "swap_out",
+         _state(KV_CACHE_MANAGER, "block_size", "req_to_blocks", "req_to_cpu_blocks", "num_cached_blocks",
+                "block_pool", "cpu_block_pool")),
+    Seam(LAB03, KV_CACHE_MANAGER, "swap_in", "swap_in",
+         _state(KV_CACHE_MANAGER, "req_to_blocks", "req_to_cpu_blocks", "block_pool", "cpu_block_pool")),
+
+    Seam(LAB04, SCHEDULER, "_num_new_tokens", "_num_new_tokens", _state(SCHEDULER, "chunked_prefill", "config")),
+    Seam(LAB04, SCHEDULER, "_admit_waiting", "_admit_waiting",
+         _state(SCHEDULER, "kv_cache_manager", "waiting", "running", "max_num_seqs", "counters",
+                "_num_new_tokens", "_schedule_chunk")
+         + _state(COUNTERS, "prefix_cache_queries", "prefix_cache_hits")),
+    Seam(LAB04, SCHEDULER, "schedule", "schedule",
+         _state(SCHEDULER, "max_num_batched_tokens", "running", "swapped", "kv_cache_manager", "_num_new_tokens",
+                "_preempt", "_schedule_chunk", "_swap_in", "_admit_waiting")),
+
+    Seam(LAB05, KV_CACHE_MANAGER_MODULE, "hash_block_tokens", "hash_block_tokens"),
+    Seam(LAB05, KV_CACHE_MANAGER, "get_computed_blocks", "get_computed_blocks",
+         _state(KV_CACHE_MANAGER, "enable_caching", "block_size", "block_pool")),
+    Seam(LAB05, BLOCK_POOL, "get_new_blocks", "get_new_blocks",
+         _state(BLOCK_POOL, "free_queue", "cached_blocks") + _state(BLOCK, "ref_cnt", "block_hash"),
+         helpers=(f"{BLOCK_POOL}._evict",)),
+    Seam(LAB05, BLOCK_POOL, "touch", "touch", _state(BLOCK_POOL, "free_queue") + _state(BLOCK, "ref_cnt", "block_id")),
+
+    Seam(LAB06, DECODE_ATTENTION, "paged_attention_decode", "paged_attention_decode",
+         helpers=(f"{DECODE_ATTENTION}._decode_kernel", f"{DECODE_ATTENTION}._merge_kernel",
+                  f"{KERNELS_REFERENCE}.paged_attention_decode")),
+)
+
+
+def seams_of(lab: str) -> tuple[Seam, ...]:
+    """The lab's seams in table order; ValueError for a lab without any."""
+    found = tuple(s for s in SEAMS if s.lab == lab)
+    if not found:
+        raise ValueError(f"lab {lab!r} has no seams; labs with seams: {sorted({s.lab for s in SEAMS})}")
+    return found
+
+
+def labs_with_seams() -> list[str]:
+    return sorted({s.lab for s in SEAMS})
+
+
+def _split(dotted: str) -> tuple[str, list[str]]:
+    """(the longest importable module prefix, the attribute names after it)."""
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        name = ".".join(parts[:split])
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not name.startswith(exc.name):
+                raise  # a module the engine imports is missing, not a prefix that is no module
+            continue
+        return name, parts[split:]
+    raise ModuleNotFoundError(f"no module on the path {dotted!r}")
+
+
+def resolve(dotted: str) -> Any:
+    """The object at `package.module.Class.attr`: imports the longest module prefix, then getattr."""
+    module, names = _split(dotted)
+    obj = importlib.import_module(module)
+    for name in names:
+        obj = getattr(obj, name)
+    return obj
+
+
+def module_of(dotted: str) -> str:
+    """The module part of a dotted path (`engine_core.core.block_pool` of `engine_core.core.block_pool.BlockPool.touch`)."""
+    return _split(dotted)[0]
+
+
+def current(seam: Seam) -> Any:
+    """What the owner holds at `attr` now: the engine's function, or the learner's while plugged."""
+    owner = resolve(seam.owner)
+    return vars(owner)[seam.attr] if isinstance(owner, type) else getattr(owner, seam.attr)
