@@ -65,6 +65,17 @@ def is_graded_code(cell: dict) -> bool:
     return bool(meta.get("nbgrader", {}).get("solution")) or SETUP_TAG in meta.get("tags", [])
 
 
+def manually_graded(cells: list[dict]) -> list[tuple[str, float]]:
+    """(grade_id, points) of the answers a person grades: nbgrader cells that are graded and
+    written by the learner but hold no code a test can run (interview answers in markdown)."""
+    found = []
+    for cell in cells:
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        if cell.get("cell_type") == "markdown" and meta.get("grade") and meta.get("solution"):
+            found.append((str(meta.get("grade_id", "?")), float(meta.get("points", 0))))
+    return found
+
+
 def _strip_magics(source: str) -> str:
     """Comments out IPython `%magic` / `!shell` lines, which are not Python (line numbers kept)."""
     return "\n".join(_MAGIC_LINE.sub(r"\1# \2", line) for line in source.split("\n"))

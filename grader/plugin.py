@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -21,7 +22,7 @@ import pytest
 
 from grader.delegation import DelegationError
 from grader.labs import import_tests, lab_of_notebook
-from grader.loader import StudentCodeError, load_notebook
+from grader.loader import StudentCodeError, load_notebook, manually_graded, read_cells
 from grader.observe import Recorder, set_recorder
 from grader.results import FAILED, PASSED, SKIPPED, TestResult, format_points_table
 
@@ -45,6 +46,9 @@ MARKERS = [
     "end_to_end: runs the whole engine with the learner's functions plugged in (each must be called)",
 ]
 MAX_MESSAGE = 3000
+# pytest's hints in assertion messages, advice for a command line the learner is not using
+PYTEST_ADVICE = re.compile(r"^\s*(Use -v to get more diff|Use -vv to get more diff|Full diff:|"
+                           r"\.\.\.Full output truncated|Omitting \d+ identical items, use -vv to show)")
 
 
 def _mark_labtests_for_rewrite() -> None:
@@ -125,16 +129,31 @@ def task_of(item: pytest.Item) -> str:
     return name[len("test_"):] if name.startswith("test_") else name
 
 
+def learner_cell(filename: str) -> str | None:
+    """How the learner finds the cell a frame belongs to: "cell N of <notebook>" for a loaded
+    notebook, "your cell In[5]" for code run live in the learner's kernel, else None."""
+    if filename.startswith("cell "):
+        return filename
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    name = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    named = name(filename) if name is not None else None
+    return f"your cell {named[1]}" if named else None
+
+
 def describe_failure(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
     """The error in one or two lines, plus where in the learner's notebook it was raised."""
     if isinstance(excinfo.value, (StudentCodeError, DelegationError)):
         return str(excinfo.value)
-    message = excinfo.exconly().strip()
-    learner_frames = [e for e in excinfo.traceback if str(e.path).startswith("cell ")]
+    message = "\n".join(line for line in excinfo.exconly().strip().splitlines() if not PYTEST_ADVICE.match(line))
+    learner_frames = [(cell, e) for e in excinfo.traceback if (cell := learner_cell(str(e.path))) is not None]
     if learner_frames:
-        entry = learner_frames[-1]
+        cell, entry = learner_frames[-1]
         line = str(entry.statement).strip() if entry.statement is not None else ""
-        message += f"\n(raised in {entry.path}, line {entry.lineno + 1}: {line})"
+        message += f"\n(raised in {cell}, line {entry.lineno + 1}: {line})"
     return message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE] + " ..."
 
 
@@ -166,6 +185,21 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
             if len(by_file) > 1:
                 terminalreporter.write_line(f"{file}:")
             terminalreporter.write_line(format_points_table(file_results))
+            manual = _manual_points(Path(config.rootpath) / file)
+            if manual:
+                answers = ", ".join(f"{grade_id} {points:g}" for grade_id, points in manual)
+                terminalreporter.write_line(f"+ {sum(p for _, p in manual):g} points graded by the instructor "
+                                            f"(written answers, not counted above: {answers})")
+
+
+def _manual_points(path: Path) -> list[tuple[str, float]]:
+    """The notebook's manually graded answers; none when `path` is no readable notebook."""
+    if path.suffix != ".ipynb" or not path.is_file():
+        return []
+    try:
+        return manually_graded(read_cells(path))
+    except (OSError, ValueError):
+        return []
 
 
 class Observing:
