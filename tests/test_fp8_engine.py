@@ -214,3 +214,41 @@ def test_fp8_outputs_survive_preemption_and_prefix_caching(scales_file, mode, pr
     assert stats["num_preemptions"] > 0, stats
     assert outs == plenty
     assert stats["kv_cache_usage"] == 0.0 and stats["cpu_kv_cache_usage"] == 0.0
+
+
+# ---- on a GPU: the Triton fp8 paths and CUDA graphs with flash-decoding ------------------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs CUDA: the Triton fp8 write path is only exact compiled, and CUDA "
+                                       "graphs need a device")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kv_cache_dtype, per_head", [("fp8", False), ("fp8_e5m2", True)])
+def test_triton_fp8_engine_generates_the_reference_ops_tokens(scales_file, kv_cache_dtype, per_head):
+    """The Triton cache write stores the reference's bytes, so both backends read the same fp8 cache."""
+    def run(backend):
+        llm = LLM("tiny-llama", dtype="float32", kv_cache_dtype=kv_cache_dtype, kv_cache_scales=str(scales_file),
+                  kv_scales_per_head=per_head, attention_backend=backend, enforce_eager=True, num_gpu_blocks=64)
+        return _tokens(llm)
+
+    assert run("triton") == run("torch")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graphs_with_fp8_and_flash_decoding_match_eager(scales_file):
+    """A 1500-token prompt: decode steps choose num_splits > 1 on any GPU with more than 2 SMs, and
+    each (batch size, num_splits) pair gets its own graph."""
+    prompts = [[3 + i % 400 for i in range(1500)], [5, 6, 7]]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def run(**kw):
+        llm = LLM("tiny-llama", dtype="float32", kv_cache_dtype="fp8", kv_cache_scales=str(scales_file),
+                  num_gpu_blocks=256, **kw)
+        return _tokens(llm, prompts, params), llm.engine.runner.cuda_graphs
+
+    graphs_out, graphs = run()
+    eager_out, _ = run(enforce_eager=True)
+    assert graphs_out == eager_out
+    assert any(splits > 1 for _, splits in graphs.graphs), sorted(graphs.graphs)
