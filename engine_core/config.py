@@ -3,6 +3,7 @@ before anything is built), what the engine resolved it to (`ResolvedConfig`: dev
 backend, max_model_len, decided once), and the KV cache the model runner sized (`KVCacheConfig`)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -10,10 +11,9 @@ import torch
 
 import kernels
 from engine_core.models.config import LlamaArgs, ModelConfig
-from kernels.reference import FP8_DTYPE
+from kernels.fp8 import KV_CACHE_DTYPES, fp8_dtype
 
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
-_KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 _ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 _DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -47,8 +47,13 @@ class EngineConfig:
     # Cost-model rates for choose_preemption_mode; None = documented default of the device.
     prefill_flops_per_s: float | None = None
     swap_bandwidth_bytes_per_s: float | None = None
+    # fp8 KV cache (docs/fp8_kv_cache.md): "fp8" (= "fp8_e4m3") or "fp8_e5m2". Scales: dynamic from the first
+    # batch (calculate_kv_scales), a calibration file (kv_cache_scales, from python -m engine_core.calibrate),
+    # else the checkpoint's k_scale/v_scale, else 1.0; per KV head with kv_scales_per_head.
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
+    kv_cache_scales: str | None = None
+    kv_scales_per_head: bool = False
     # Multi-LoRA (engine_core/lora): max_loras GPU slots, ranks up to max_lora_rank, a host cache of
     # max_cpu_loras loaded adapters (None: max_loras). Like vLLM, the three are accepted and ignored
     # without enable_lora; a request with a lora_request is then an error.
@@ -83,7 +88,8 @@ class EngineConfig:
         for name in ("prefill_flops_per_s", "swap_bandwidth_bytes_per_s"):
             v = getattr(self, name)
             _need(v is None or v > 0, name, "None or > 0", v)
-        _need(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype", f"one of {_KV_CACHE_DTYPES}", self.kv_cache_dtype)
+        _need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"one of {KV_CACHE_DTYPES}", self.kv_cache_dtype)
+        self._check_kv_scales()
         _need(isinstance(self.max_loras, int) and self.max_loras >= 1, "max_loras", "an int >= 1", self.max_loras)
         _need(isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1, "max_lora_rank", "an int >= 1", self.max_lora_rank)
         _need(isinstance(self.enable_lora, bool), "enable_lora", "a bool", self.enable_lora)
@@ -97,6 +103,22 @@ class EngineConfig:
         _need(self.dtype in _DTYPES, "dtype", f"one of {tuple(_DTYPES)}", self.dtype)
         _need(self.attention_backend in _ATTENTION_BACKENDS, "attention_backend", f"one of {_ATTENTION_BACKENDS}",
               self.attention_backend)
+
+    def _check_kv_scales(self) -> None:
+        """The fp8 scale options: booleans, a path that exists, one source at a time, an fp8 cache for any."""
+        _need(isinstance(self.calculate_kv_scales, bool), "calculate_kv_scales", "a bool", self.calculate_kv_scales)
+        _need(isinstance(self.kv_scales_per_head, bool), "kv_scales_per_head", "a bool", self.kv_scales_per_head)
+        path = self.kv_cache_scales
+        _need(path is None or (isinstance(path, (str, os.PathLike)) and os.path.isfile(path)), "kv_cache_scales",
+              "None or the path of an existing scales file (python -m engine_core.calibrate writes one)", path)
+        _need(not (self.calculate_kv_scales and path is not None), "calculate_kv_scales",
+              "False when kv_cache_scales is given (dynamic and calibrated scales are alternatives)",
+              self.calculate_kv_scales)
+        if self.kv_cache_dtype == "auto":
+            for name in ("calculate_kv_scales", "kv_cache_scales", "kv_scales_per_head"):
+                _need(getattr(self, name) in (False, None), name,
+                      f"unset with kv_cache_dtype='auto' (scales only apply to an fp8 cache: kv_cache_dtype one of "
+                      f"{KV_CACHE_DTYPES[1:]})", getattr(self, name))
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineConfig":
@@ -131,7 +153,7 @@ class ResolvedConfig:
     engine: EngineConfig  # the user's arguments, as given
     device: torch.device
     dtype: torch.dtype  # weights and activations
-    kv_cache_dtype: torch.dtype  # KV storage: the model dtype, or float8_e4m3fn
+    kv_cache_dtype: torch.dtype  # KV storage: the model dtype, float8_e4m3fn or float8_e5m2
     attention_backend: str  # "torch" or "triton"
     max_model_len: int
     max_num_batched_tokens: int  # without chunked prefill, raised to max_model_len (any prompt must fit one step)
@@ -159,7 +181,7 @@ class ResolvedConfig:
             max_model_len: int) -> "ResolvedConfig":
         budget = config.max_num_batched_tokens
         return cls(engine=config, device=device, dtype=dtype,
-                   kv_cache_dtype=FP8_DTYPE if config.kv_cache_dtype == "fp8_e4m3" else dtype,
+                   kv_cache_dtype=fp8_dtype(config.kv_cache_dtype) or dtype,
                    attention_backend=kernels.resolve_backend(config.attention_backend, device),
                    max_model_len=max_model_len,
                    max_num_batched_tokens=budget if config.enable_chunked_prefill else max(budget, max_model_len))

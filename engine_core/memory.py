@@ -19,7 +19,7 @@ _DTYPE_BYTES = {
     "fp32": 4, "float32": 4, "float": 4,
     "fp16": 2, "float16": 2, "half": 2,
     "bf16": 2, "bfloat16": 2,
-    "fp8": 1, "fp8_e4m3": 1, "float8_e4m3fn": 1, "int8": 1,
+    "fp8": 1, "fp8_e4m3": 1, "float8_e4m3fn": 1, "fp8_e5m2": 1, "float8_e5m2": 1, "int8": 1,
 }
 
 

@@ -121,7 +121,7 @@ def bench_decode(timer: Timer, batch: int, context: int) -> list[Row]:
     elem = query.element_size()
     gbytes = (2 * query.numel() + 2 * batch * context * NUM_KV_HEADS * HEAD_DIM) * elem / 1e9
     tflop = 4 * batch * NUM_HEADS * context * HEAD_DIM / 1e12
-    from kernels.triton.decode_attention import choose_num_splits
+    from kernels.split_policy import choose_num_splits
     from kernels.triton.decode_attention import paged_attention_decode as triton_decode
 
     def run(splits: int) -> Callable[[], object]:

@@ -3,53 +3,42 @@ kernel is tested against them.
 
 KV cache per layer: `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V;
 token slot = block_id * block_size + offset; slot -1 means "skip this row".
-fp8 caches (`torch.float8_e4m3fn`) store value / scale; reads multiply the scale back.
+fp8 caches (`float8_e4m3fn` or `float8_e5m2`) store value / scale, saturated; reads multiply the
+scale back (`kernels.fp8`). A scale is a float, a 0-dim tensor or one value per KV head `[H_kv]`.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448.0
+from kernels.fp8 import cache_format, dequantize_fp8, is_fp8, quantize_fp8
+
 DECODE_GROUP = 8  # sequences per padded group in paged_attention_decode
-
-
-def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
-    """x / scale, saturated to e4m3's range (no inf/nan in the cache)."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-
-
-def dequantize_fp8(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (x.float() * scale).to(dtype)
-
-
-def _is_fp8(cache: torch.Tensor) -> bool:
-    return cache.dtype == FP8_DTYPE
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, kv_cache_dtype: str = "auto",
                       k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> None:
     """Write key/value `[num_tokens, num_kv_heads, head_dim]` into the paged caches at `slot_mapping`."""
+    fmt = cache_format(kv_cache_dtype, key_cache)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     k, v = key[keep], value[keep]
-    if kv_cache_dtype == "fp8_e4m3" or _is_fp8(key_cache):
-        k, v = quantize_fp8(k, k_scale), quantize_fp8(v, v_scale)
+    if fmt is not None:
+        k, v = quantize_fp8(k, k_scale, fmt), quantize_fp8(v, v_scale, fmt)
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     key_cache.view(-1, num_kv_heads, head_dim)[slots] = k.to(key_cache.dtype)
     value_cache.view(-1, num_kv_heads, head_dim)[slots] = v.to(value_cache.dtype)
 
 
-def _gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     """Whole blocks of K or V for each row of `block_tables` `[S, W]`, in fp32: `[S, W * block_size, H_kv, D]`.
     Copying whole blocks (contiguous runs of block_size * H_kv * D values) is far cheaper than a gather per token,
     and index_select's row copy is about twice as fast on CPU as advanced indexing of the same rows."""
     num_seqs, width = block_tables.shape
     ids = block_tables.reshape(-1).long().clamp(min=0)  # padding past a sequence's blocks (-1 or junk) is masked later
     x = cache.index_select(0, ids).view(num_seqs, width * cache.shape[1], *cache.shape[2:])
-    return dequantize_fp8(x, scale, torch.float32) if _is_fp8(cache) else x.float()
+    return dequantize_fp8(x, scale, torch.float32) if is_fp8(cache.dtype) else x.float()
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -68,8 +57,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         if a == b:
             continue
         table = block_tables[i:i + 1, :(seq_len + block_size - 1) // block_size]
-        k = _gather_blocks(key_cache, table, k_scale)[:, :seq_len].transpose(1, 2)  # [1, H_kv, seq_len, D]
-        v = _gather_blocks(value_cache, table, v_scale)[:, :seq_len].transpose(1, 2)
+        k = gather_blocks(key_cache, table, k_scale)[:, :seq_len].transpose(1, 2)  # [1, H_kv, seq_len, D]
+        v = gather_blocks(value_cache, table, v_scale)[:, :seq_len].transpose(1, 2)
         q = query[a:b].float().transpose(0, 1)[None]  # [1, H, q_len, D]
         q_len = b - a
         # causal, aligned bottom-right: query row r sits at position seq_len - q_len + r
@@ -105,8 +94,8 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
         idx = order[a:a + DECODE_GROUP]
         width = (sorted_lens[min(a + DECODE_GROUP, num_seqs) - 1] + block_size - 1) // block_size
         tables = block_tables[idx, :width]
-        k = _gather_blocks(key_cache, tables, k_scale).transpose(1, 2)  # [G, H_kv, width * block_size, D]
-        v = _gather_blocks(value_cache, tables, v_scale).transpose(1, 2)
+        k = gather_blocks(key_cache, tables, k_scale).transpose(1, 2)  # [G, H_kv, width * block_size, D]
+        v = gather_blocks(value_cache, tables, v_scale).transpose(1, 2)
         valid = torch.arange(width * block_size, device=query.device)[None, :] < seq_lens[idx, None]
         o = F.scaled_dot_product_attention(query[idx].float()[:, :, None], k, v, attn_mask=valid[:, None, None, :],
                                            scale=scale, enable_gqa=True)  # [G, H, 1, D]

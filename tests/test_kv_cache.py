@@ -6,6 +6,7 @@ import torch
 
 from engine_core import LLM, LLMEngine, SamplingParams
 from engine_core.worker.kv_cache import KVCache, swap_blocks
+from engine_core.worker.kv_scales import DynamicScales
 from engine_core.models.loader import read_config
 from engine_core.presets import preset_path
 
@@ -49,16 +50,36 @@ def test_swap_blocks_is_one_indexed_copy_with_overlapping_ids():
     assert src[:, 0].tolist() == [1.0, 0.0, 2.0, 3.0, 4.0]
 
 
-def test_fp8_cache_has_per_layer_scales_and_calibrates_once():
+@pytest.mark.parametrize("per_head", [False, True])
+def test_fp8_cache_has_per_layer_scales_and_calibrates_once(per_head):
     kv = KVCache(2, 4, 4, 2, 8, torch.float32, torch.device("cpu"), kv_cache_dtype="fp8_e4m3",
-                 calculate_kv_scales=True)
-    assert kv.key[0].dtype == torch.float8_e4m3fn and kv.needs_scales
+                 per_head_scales=per_head)
+    kv.observer = DynamicScales(kv, per_head)
+    assert kv.key[0].dtype == torch.float8_e4m3fn and kv.k_scale[0].shape == ((2,) if per_head else ())
     k, v = torch.full((3, 2, 8), 2.0), torch.full((3, 2, 8), -896.0)
-    kv.calibrate_scales(0, k, v)
-    kv.calibrate_scales(1, k * 2, v)
-    assert float(kv.k_scale[0]) == pytest.approx(2.0 / 448) and float(kv.v_scale[0]) == pytest.approx(2.0)
-    assert float(kv.k_scale[1]) == pytest.approx(4.0 / 448)
-    assert not kv.needs_scales
+    k[:, 1] = 0.5  # KV head 1 is smaller
+    kv.observer(0, k, v)
+    kv.observer(1, k * 2, v)
+    want_k0 = [2.0 / 448, 0.5 / 448] if per_head else 2.0 / 448
+    assert kv.k_scale[0].tolist() == pytest.approx(want_k0) and kv.v_scale[0].tolist() == pytest.approx(
+        [2.0, 2.0] if per_head else 2.0)
+    assert kv.k_scale[1].tolist() == pytest.approx([4.0 / 448, 1.0 / 448] if per_head else 4.0 / 448)
+    assert kv.observer is None  # fixed after the first batch's last layer
+
+
+def test_fp8_blocks_swap_out_and_in_as_bytes():
+    kv = KVCache(1, 4, 2, 1, 4, torch.float32, torch.device("cpu"), kv_cache_dtype="fp8_e5m2", num_cpu_blocks=2)
+    kv.key[0].copy_(torch.arange(32.0).view(4, 2, 1, 4).to(torch.float8_e5m2))
+    before = kv.key[0].view(torch.uint8).clone()
+    kv.swap_out([(3, 0)])
+    kv.key[0][3] = 0.0
+    kv.swap_in([(0, 1)])
+    assert torch.equal(kv.key[0].view(torch.uint8)[1], before[3])
+
+
+def test_per_head_scales_need_an_fp8_cache():
+    with pytest.raises(ValueError, match="per-head scales need an fp8 kv_cache_dtype"):
+        KVCache(1, 4, 2, 2, 4, torch.float32, torch.device("cpu"), per_head_scales=True)
 
 
 def test_fp8_engine_runs_close_to_fp32():

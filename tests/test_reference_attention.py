@@ -8,7 +8,9 @@ import math
 import pytest
 import torch
 
-from kernels.reference import DECODE_GROUP, FP8_DTYPE, paged_attention, paged_attention_decode, quantize_fp8, reshape_and_cache
+from kernels.reference import DECODE_GROUP, paged_attention, paged_attention_decode, reshape_and_cache
+
+FP8_DTYPE = torch.float8_e4m3fn
 
 
 def naive(query, keys, values, q_lens, scale):
@@ -42,9 +44,9 @@ def build(seq_lens, q_lens, block_size, heads=4, kv_heads=2, dim=8, fp8=False, s
         k, v = torch.randn(n, kv_heads, dim, generator=g), torch.randn(n, kv_heads, dim, generator=g)
         slots = (tables[i, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size)
         reshape_and_cache(k, v, kc, vc, slots, "fp8_e4m3" if fp8 else "auto", k_scale, v_scale)
-        if fp8:  # the definition reads back what the cache holds
-            k = quantize_fp8(k, k_scale).double() * k_scale
-            v = quantize_fp8(v, v_scale).double() * v_scale
+        if fp8:  # the definition reads back what the cache holds: torch's own cast of x / scale
+            k = (k / k_scale).to(FP8_DTYPE).double() * k_scale
+            v = (v / v_scale).to(FP8_DTYPE).double() * v_scale
         keys.append(k.double())
         values.append(v.double())
     query = torch.randn(sum(q_lens), heads, dim, generator=g)

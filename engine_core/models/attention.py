@@ -32,6 +32,10 @@ class AttentionMetadata:
     output_rows: torch.Tensor | None = None
     output_seqs: torch.Tensor | None = None
     lora: LoRABatch | None = None  # each row's adapter slot; None: no row of the step uses an adapter
+    # flash-decoding's split count for the decode op over the decode rows / over output_rows (the
+    # runner's policy, kernels.split_policy; the result does not depend on it)
+    decode_num_splits: int = 1
+    output_num_splits: int = 1
 
     @property
     def decode_only(self) -> bool:
@@ -40,7 +44,7 @@ class AttentionMetadata:
 
 @dataclass(frozen=True)
 class LayerKV:
-    """One layer's cache tensors and fp8 scales."""
+    """One layer's cache tensors and fp8 scales (fp32, shape `[]` or `[num_kv_heads]`)."""
 
     key_cache: torch.Tensor
     value_cache: torch.Tensor
@@ -75,12 +79,15 @@ class AttentionPlan:
         varlen op; both compute the same thing for a one-row query."""
         nd, ops = self.num_decode_seqs, self.ops
         cache = (kv.key_cache, kv.value_cache)
+        splits = self.meta.decode_num_splits
         if nd == self.num_seqs:
-            return ops.paged_attention_decode(query, *cache, *self.decode, scale, kv.k_scale, kv.v_scale)
+            return ops.paged_attention_decode(query, *cache, *self.decode, scale, kv.k_scale, kv.v_scale,
+                                              num_splits=splits)
         if nd == 0:
             return ops.paged_attention(query, *cache, *self.prefill, scale, kv.k_scale, kv.v_scale)
         out = torch.empty_like(query)
-        out[:nd] = ops.paged_attention_decode(query[:nd], *cache, *self.decode, scale, kv.k_scale, kv.v_scale)
+        out[:nd] = ops.paged_attention_decode(query[:nd], *cache, *self.decode, scale, kv.k_scale, kv.v_scale,
+                                              num_splits=splits)
         out[nd:] = ops.paged_attention(query[nd:], *cache, *self.prefill, scale, kv.k_scale, kv.v_scale)
         return out
 
@@ -89,4 +96,4 @@ class AttentionPlan:
         if self.output_rows.numel() == 0:  # a step of mid-prompt chunks only: nothing to compute
             return query[:0]
         return self.ops.paged_attention_decode(query[self.output_rows], kv.key_cache, kv.value_cache, *self.output,
-                                               scale, kv.k_scale, kv.v_scale)
+                                               scale, kv.k_scale, kv.v_scale, num_splits=self.meta.output_num_splits)

@@ -96,8 +96,8 @@ class Attention(nn.Module):
             q, k = rope(self.q_norm(qkv[:, :h])), rope(self.k_norm(qkv[:, h:h + kvh]))
         v = qkv[:, h + kvh:]
         i = self.layer_idx
-        if kv_cache.needs_scales:
-            kv_cache.calibrate_scales(i, k, v)
+        if kv_cache.observer is not None:  # dynamic fp8 scales or a calibration run
+            kv_cache.observer(i, k, v)
         kv = LayerKV(kv_cache.key[i], kv_cache.value[i], kv_cache.k_scale[i], kv_cache.v_scale[i])
         plan.write_kv(k, v, kv)
         out = (plan.attend_output_rows if only_output_rows else plan.attend)(q, kv, self.scale)

@@ -1,12 +1,15 @@
-"""CUDA graphs for decode-only batches: one captured forward per padded batch size.
+"""CUDA graphs for decode-only batches: one captured forward per (padded batch size, split count).
 
 A decode step on a small model is dominated by kernel-launch overhead; replaying a captured
 graph launches the whole forward at once. Inputs live in static buffers; a batch of n rows runs
 the graph of the smallest captured size >= n, padding rows write nowhere (slot -1) and read
-block 0, and their outputs are dropped. A graph is captured on first use of its size. If capture
-fails (an attention backend that synchronises with the host cannot be captured) graphs are
-switched off with a warning and the runner stays eager: slower, never wrong. Batches with LoRA
-adapters run eagerly (their slot mapping is not in the static buffers).
+block 0, and their outputs are dropped. Flash-decoding's split count is part of a launch's grid,
+hence of a graph: the policy only picks powers of two (`kernels.split_policy`), and a graph is
+captured on first use of its (size, split count) pair. If capture fails (an attention backend
+that synchronises with the host cannot be captured) graphs are switched off with a warning and
+the runner stays eager: slower, never wrong. Batches with LoRA adapters run eagerly (their slot
+mapping is not in the static buffers), and so does every step while an observer watches the KV
+cache (dynamic fp8 scales, calibration): a graph would replay its ops forever.
 """
 from __future__ import annotations
 
@@ -37,14 +40,14 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, w, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (size, num_splits) -> graph
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
         self.enabled = True
 
     def can_run(self, m: AttentionMetadata) -> bool:
         return (self.enabled and m.output_rows is None and m.lora is None and m.decode_only
-                and len(m.seq_lens) <= self.sizes[-1]
+                and self.kv_cache.observer is None and len(m.seq_lens) <= self.sizes[-1]
                 and m.block_tables.shape[1] <= self.block_tables.shape[1])
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata) -> torch.Tensor:
@@ -58,14 +61,17 @@ class DecodeGraphs:
         self.block_tables[:n, :m.block_tables.shape[1]].copy_(m.block_tables)
         self.seq_lens[:n].copy_(m.seq_lens)
         self.seq_lens[n:size] = 1
-        if size not in self.graphs and not self._capture(size, m):
+        key = (size, m.decode_num_splits)
+        if key not in self.graphs and not self._capture(key, m):
             return self.model(input_ids, positions, self.kv_cache, m)
-        self.graphs[size].replay()
-        return self.outputs[size][:n]
+        self.graphs[key].replay()
+        return self.outputs[key][:n]
 
-    def _capture(self, size: int, like: AttentionMetadata) -> bool:
+    def _capture(self, key: tuple[int, int], like: AttentionMetadata) -> bool:
+        size, num_splits = key
         meta = AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.seq_lens[:size],
-                                 self.query_start_loc[:size + 1], size, like.kv_cache_dtype, self.backend)
+                                 self.query_start_loc[:size + 1], size, like.kv_cache_dtype, self.backend,
+                                 decode_num_splits=num_splits)
         args = (self.input_ids[:size], self.positions[:size], self.kv_cache, meta)
         try:
             stream = torch.cuda.Stream()
@@ -75,11 +81,11 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[size] = self.model(*args)
+                self.outputs[key] = self.model(*args)
         except RuntimeError as e:
             warnings.warn(f"CUDA graph capture failed ({e}); running decode eagerly")
             self.enabled = False
             return False
         self.pool = graph.pool()
-        self.graphs[size] = graph
+        self.graphs[key] = graph
         return True

@@ -2,14 +2,22 @@
 
 Slot `s` of a layer is `cache.view(-1, num_kv_heads, head_dim)[s]`, i.e. block `s // block_size`,
 offset `s % block_size` (the kernel contract, docs/architecture.md). The device cache is in the model dtype, or in
-float8_e4m3fn with one K and one V scale per layer (`kv_cache_dtype="fp8_e4m3"`). The CPU swap
-pool has the same layout; block copies are batched: one indexed copy per layer and direction.
+an fp8 format (`kv_cache_dtype` "fp8"/"fp8_e4m3" or "fp8_e5m2") with one K and one V scale per layer: fp32
+tensors of shape `[]`, or `[num_kv_heads]` with per-head scales, updated in place (CUDA graphs read them
+where they are). The CPU swap pool has the same layout; block copies are batched: one indexed copy per
+layer and direction, fp8 blocks moved as bytes.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from kernels.reference import FP8_DTYPE, FP8_MAX
+from kernels.fp8 import fp8_dtype, is_fp8
+
+# Called by attention with each layer's new K and V `[num_tokens, num_kv_heads, head_dim]` before they
+# are written: how dynamic scales and calibration see the values (engine_core/worker/kv_scales.py).
+KVObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:
@@ -18,19 +26,21 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> 
         return
     src_ids = mapping[:, 0].to(src.device)
     dst_ids = mapping[:, 1].to(dst.device)
+    if is_fp8(src.dtype):  # index_copy_ has no fp8 kernel on CPU; the bytes are what moves anyway
+        src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     dst.index_copy_(0, dst_ids, src.index_select(0, src_ids).to(dst.device))
 
 
 class KVCache:
-    """Device KV cache + CPU swap pool for every layer, and the fp8 scales."""
+    """Device KV cache + CPU swap pool for every layer, and the fp8 scales (1.0 until set)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "auto", num_cpu_blocks: int = 0,
-                 calculate_kv_scales: bool = False) -> None:
-        if kv_cache_dtype not in ("auto", "fp8_e4m3"):
-            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {kv_cache_dtype!r}")
+                 per_head_scales: bool = False) -> None:
         self.kv_cache_dtype = kv_cache_dtype
-        self.dtype = FP8_DTYPE if kv_cache_dtype == "fp8_e4m3" else dtype
+        self.dtype = fp8_dtype(kv_cache_dtype) or dtype
+        if per_head_scales and not is_fp8(self.dtype):
+            raise ValueError(f"per-head scales need an fp8 kv_cache_dtype, got {kv_cache_dtype!r}")
         self.block_size = block_size
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)
@@ -39,10 +49,11 @@ class KVCache:
         self.value = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(num_layers)]
         self.cpu_key = [torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin) for _ in range(num_layers)]
         self.cpu_value = [torch.zeros(cpu_shape, dtype=self.dtype, pin_memory=pin) for _ in range(num_layers)]
-        # 0-dim fp32 tensors: kernels take them as-is, and CUDA graphs see updates in place.
-        self.k_scale = [torch.ones((), dtype=torch.float32, device=device) for _ in range(num_layers)]
-        self.v_scale = [torch.ones((), dtype=torch.float32, device=device) for _ in range(num_layers)]
-        self.needs_scales = kv_cache_dtype == "fp8_e4m3" and calculate_kv_scales
+        # fp32 tensors: kernels take them as-is, and CUDA graphs see updates in place.
+        scale_shape = (num_kv_heads,) if per_head_scales else ()
+        self.k_scale = [torch.ones(scale_shape, dtype=torch.float32, device=device) for _ in range(num_layers)]
+        self.v_scale = [torch.ones(scale_shape, dtype=torch.float32, device=device) for _ in range(num_layers)]
+        self.observer: KVObserver | None = None
 
     @property
     def num_layers(self) -> int:
@@ -52,12 +63,10 @@ class KVCache:
     def num_blocks(self) -> int:
         return self.key[0].shape[0]
 
-    def calibrate_scales(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Dynamic fp8 scales from the first forward's K/V: amax / 448 (fp8 e4m3's largest value)."""
-        self.k_scale[layer].fill_(float(key.abs().amax().clamp_min(1e-6)) / FP8_MAX)
-        self.v_scale[layer].fill_(float(value.abs().amax().clamp_min(1e-6)) / FP8_MAX)
-        if layer == self.num_layers - 1:
-            self.needs_scales = False
+    def set_scales(self, k_scales: list[torch.Tensor], v_scales: list[torch.Tensor]) -> None:
+        """Per layer, K and V scales broadcastable to the cache's (`[]`, or `[num_kv_heads]`), copied in place."""
+        for dst, src in zip(self.k_scale + self.v_scale, k_scales + v_scales, strict=True):
+            dst.copy_(src)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(gpu_block, cpu_block) pairs: device -> CPU pool."""

@@ -10,8 +10,9 @@ tokens; on CPU `kv_cache_memory_bytes`, default 1 GiB), then allocate it and cap
 Per step (`execute_model`): run the scheduled KV block copies (swap_out first, then swap_in),
 apply the new block ids to the persistent block tables (`InputBatch`), build the batch tensors
 (input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc) with vectorised
-index arithmetic, run the model, and compute logits only for the rows whose chunk reaches the
-end of its request. Decode-only batches on CUDA replay CUDA graphs (batches without LoRA
+index arithmetic, choose flash-decoding's split count for the decode-op calls
+(`kernels.split_policy`, from the batch, the longest context and the GPU's SM count; 1 on CPU),
+run the model, and compute logits only for the rows whose chunk reaches the end of its request. Decode-only batches on CUDA replay CUDA graphs (batches without LoRA
 adapters; with `enable_lora` the LoRAManager gives the step's adapters slots and the rows a
 slot mapping, `attn_metadata.lora`).
 """
@@ -33,7 +34,9 @@ from engine_core.request import Request, SamplingParams
 from engine_core.worker.cuda_graphs import DecodeGraphs
 from engine_core.worker.input_batch import InputBatch
 from engine_core.worker.kv_cache import KVCache
+from engine_core.worker.kv_scales import DynamicScales, static_kv_amax
 from engine_core.worker.sampler import Sampler
+from kernels import split_policy
 
 DEFAULT_CPU_KV_BYTES = 2**30
 
@@ -52,6 +55,12 @@ class ModelRunner:
         self.model_config = model_config
         self.device = config.device
         self.block_size = config.engine.block_size
+        engine, args = config.engine, model_config.args
+        # fp8 scales from a file or the checkpoint, checked against the model before the weights load
+        self.kv_amax = static_kv_amax(engine.kv_cache_dtype, engine.calculate_kv_scales, engine.kv_cache_scales,
+                                      engine.kv_scales_per_head, model_config.path, args.num_layers, args.num_kv_heads)
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
+            if self.device.type == "cuda" else 0  # flash-decoding's split policy; 0: never split
         self.model: LlamaForCausalLM = load_model(model_config.path, model_config.args, config.dtype, config.device,
                                                   max_positions=config.max_model_len)
         self.lora = LoRAManager(self.model, model_config.args, config) if config.engine.enable_lora else None
@@ -104,9 +113,14 @@ class ModelRunner:
         return peak
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        """Allocate the KV tensors and, on CUDA unless enforce_eager, set up decode CUDA graphs."""
+        """Allocate the KV tensors, give an fp8 cache its scales (or the observer that sets them from the
+        first batch), and, on CUDA unless enforce_eager, set up decode CUDA graphs."""
         self.kv_cache = self._new_kv_cache(kv_cache_config.num_gpu_blocks, kv_cache_config.num_cpu_blocks)
         engine = self.config.engine
+        if engine.calculate_kv_scales:
+            self.kv_cache.observer = DynamicScales(self.kv_cache, engine.kv_scales_per_head)
+        elif self.kv_amax is not None:
+            self.kv_cache.set_scales(*self.kv_amax.scales(self.kv_cache.dtype, engine.kv_scales_per_head))
         if self.device.type == "cuda" and not engine.enforce_eager:
             self.cuda_graphs = DecodeGraphs(self.model, self.kv_cache, engine.max_num_seqs,
                                             cdiv(self.config.max_model_len, self.block_size), self.device,
@@ -116,7 +130,7 @@ class ModelRunner:
         args, engine = self.model_config.args, self.config.engine
         return KVCache(args.num_layers, num_gpu_blocks, self.block_size, args.num_kv_heads, args.head_dim,
                        self.config.dtype, self.device, engine.kv_cache_dtype, num_cpu_blocks,
-                       engine.calculate_kv_scales)
+                       engine.kv_scales_per_head)
 
     # ---- requests --------------------------------------------------------------------------
     def remove_requests(self, request_ids: list[str]) -> None:
@@ -139,6 +153,8 @@ class ModelRunner:
         rows = [self.input_batch.add_chunk(c) for c in chunks]
         batch = build_model_input(chunks, rows, self.input_batch, self.block_size, self.device,
                                   self.config.engine.kv_cache_dtype, self.config.attention_backend)
+        if self.num_sms:
+            self._choose_num_splits(chunks, batch.attn_metadata)
         if self.lora is not None:
             batch.attn_metadata.lora = self.lora.prepare(chunks, batch.attn_metadata)
         hidden = self._forward(batch)
@@ -147,6 +163,18 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)  # the forward returned only the emitting rows
         tokens = self.sampler(logits, batch.emitting)
         return {r.request_id: t for r, t in zip(batch.emitting, tokens)}
+
+    def _choose_num_splits(self, chunks: list[ScheduledChunk], meta: AttentionMetadata) -> None:
+        """Flash-decoding's split count for the step's two decode-op calls: the decode rows, and the
+        emitting rows of a step with prefill chunks (each a sequence's last row). Host-side lengths only."""
+        lens = [c.start + c.num_tokens for c in chunks]
+        kv_heads, nd = self.model_config.args.num_kv_heads, meta.num_decode_seqs
+        if nd:
+            meta.decode_num_splits = split_policy.choose_num_splits(nd, kv_heads, max(lens[:nd]), self.num_sms)
+        emitting = [n for n, c in zip(lens, chunks) if c.emits]
+        if meta.output_rows is not None and emitting:
+            meta.output_num_splits = split_policy.choose_num_splits(len(emitting), kv_heads, max(emitting),
+                                                                    self.num_sms)
 
     def _forward(self, batch: ModelInput) -> torch.Tensor:
         meta = batch.attn_metadata

@@ -10,6 +10,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from kernels.fp8 import is_fp8
+
 INTERPRET: bool = bool(knobs.runtime.interpret)
 
 
@@ -24,14 +26,27 @@ def check_device(*tensors: torch.Tensor) -> None:
                            "or use backend='torch'")
 
 
-def scale_arg(scale: float | torch.Tensor) -> tuple[float | torch.Tensor, bool]:
-    """An fp8 scale as a kernel argument: a float stays a scalar, a tensor stays on the device
-    (read inside the kernel, so no host sync and CUDA-graph safe). Returns (arg, is_pointer)."""
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1:
-            raise ValueError(f"an fp8 scale tensor must hold one value, got shape {tuple(scale.shape)}")
-        return scale.reshape(1).float(), True
-    return float(scale), False
+def scale_arg(scale: float | torch.Tensor, num_kv_heads: int) -> tuple[float | torch.Tensor, bool, int]:
+    """An fp8 scale as kernel arguments (value, IS_PTR, STRIDE): a float stays a scalar; a tensor stays
+    on the device (read inside the kernel: no host sync, CUDA-graph safe), one value for every head
+    (STRIDE 0) or one per KV head (`[num_kv_heads]`, STRIDE 1)."""
+    if not isinstance(scale, torch.Tensor):
+        return float(scale), False, 0
+    if scale.dim() == 0 or scale.shape == (1,):
+        return scale.reshape(1).float(), True, 0
+    if scale.shape == (num_kv_heads,):
+        return scale.float().contiguous(), True, 1
+    raise ValueError(f"an fp8 scale must be a float, a 0-dim tensor or one value per KV head [{num_kv_heads}], "
+                     f"got shape {tuple(scale.shape)}")
+
+
+def fp8_args(key_cache: torch.Tensor, k_scale: float | torch.Tensor,
+             v_scale: float | torch.Tensor) -> tuple[float | torch.Tensor, float | torch.Tensor, dict]:
+    """(k_scale, v_scale, flags) as the attention kernels take them for `key_cache` `[.., .., H_kv, D]`."""
+    ks, ks_ptr, ks_stride = scale_arg(k_scale, key_cache.shape[2])
+    vs, vs_ptr, vs_stride = scale_arg(v_scale, key_cache.shape[2])
+    return ks, vs, dict(IS_FP8=is_fp8(key_cache.dtype), K_SCALE_IS_PTR=ks_ptr, V_SCALE_IS_PTR=vs_ptr,
+                        K_SCALE_STRIDE=ks_stride, V_SCALE_STRIDE=vs_stride)
 
 
 def upcast_dot(dtype: torch.dtype) -> bool:
@@ -41,10 +56,11 @@ def upcast_dot(dtype: torch.dtype) -> bool:
 
 
 @triton.jit
-def load_scale(scale, IS_PTR: tl.constexpr):
-    """The scale's value, whether it came as a float or as a pointer to a device scalar."""
+def load_scale(scale, head, IS_PTR: tl.constexpr, STRIDE: tl.constexpr):
+    """KV head `head`'s scale (an index or a tensor of them), whether it came as a float or as a
+    pointer to a device scalar (STRIDE 0) or to one value per KV head (STRIDE 1)."""
     if IS_PTR:
-        return tl.load(scale).to(tl.float32)
+        return tl.load(scale + head * STRIDE).to(tl.float32)
     else:
         return scale
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import INTERPRET, check_device, dot, load_kv, load_scale, scale_arg, upcast_dot
+from kernels.triton._common import INTERPRET, check_device, dot, fp8_args, load_kv, load_scale, upcast_dot
 
 LOG2E = math.log2(math.e)
 
@@ -49,7 +49,8 @@ def _prefill_kernel(
     HEAD_DIM,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
-    K_SCALE_IS_PTR: tl.constexpr, V_SCALE_IS_PTR: tl.constexpr, UPCAST: tl.constexpr,
+    K_SCALE_IS_PTR: tl.constexpr, V_SCALE_IS_PTR: tl.constexpr, K_SCALE_STRIDE: tl.constexpr,
+    V_SCALE_STRIDE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -74,8 +75,8 @@ def _prefill_kernel(
                 mask=q_mask, other=0.0)
     dtype = q.dtype
     q_pos = context_len + token  # each row's absolute position: it sees keys 0..q_pos
-    k_sc = load_scale(k_scale, K_SCALE_IS_PTR)
-    v_sc = load_scale(v_scale, V_SCALE_IS_PTR)
+    k_sc = load_scale(k_scale, kv_head, K_SCALE_IS_PTR, K_SCALE_STRIDE)  # this KV head's (or the layer's) scale
+    v_sc = load_scale(v_scale, kv_head, V_SCALE_IS_PTR, V_SCALE_STRIDE)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -151,8 +152,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     group = num_heads // num_kv_heads
     cfg = _config(group, query.dtype)
     block_q = cfg["BLOCK_M"] // group
-    ks, ks_ptr = scale_arg(k_scale)
-    vs, vs_ptr = scale_arg(v_scale)
+    ks, vs, fp8_flags = fp8_args(key_cache, k_scale, v_scale)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
@@ -164,7 +164,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         head_dim,
         BLOCK_SIZE=block_size, GROUP=group, BLOCK_Q=block_q, BLOCK_M=cfg["BLOCK_M"],
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=cfg["BLOCK_N"],
-        IS_FP8=key_cache.dtype == torch.float8_e4m3fn, K_SCALE_IS_PTR=ks_ptr, V_SCALE_IS_PTR=vs_ptr,
-        UPCAST=upcast_dot(query.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        UPCAST=upcast_dot(query.dtype), **fp8_flags, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -36,33 +36,33 @@ def _variants() -> list[tuple[str, triton.JITFunction, dict, dict, dict]]:
     for a Llama-style head_dim 128, GQA group 4, block size 16."""
     out = []
     for dtype, torch_dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):  # fp16 compiles as bf16 does
-        for fp8 in (False, True):
-            kv = "fp8e4nv" if fp8 else dtype
-            types = dict(q_ptr=f"*{dtype}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}", block_tables_ptr="*i32",
-                         seq_lens_ptr="*i32", query_start_loc_ptr="*i32", scale_log2="fp32", k_scale="fp32",
-                         v_scale="*fp32", lse_ptr="*fp32")
-            flags = dict(IS_FP8=fp8, K_SCALE_IS_PTR=False, V_SCALE_IS_PTR=True, UPCAST=dtype == "fp32",
-                         BLOCK_SIZE=16, BLOCK_D=128, GROUP=4)
+        for kv in (dtype, "fp8e4nv", "fp8e5"):  # e4m3 / e5m2 caches: a per-tensor K scale, per-head V scales
+            fp8 = kv != dtype
+            types = dict(q_ptr=f"*{dtype}", k_cache_ptr=f"*{kv}", v_cache_ptr=f"*{kv}",
+                         block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", scale_log2="fp32",
+                         k_scale="fp32", v_scale="*fp32", lse_ptr="*fp32")
+            flags = dict(IS_FP8=fp8, K_SCALE_IS_PTR=False, V_SCALE_IS_PTR=True, K_SCALE_STRIDE=0, V_SCALE_STRIDE=1,
+                         UPCAST=dtype == "fp32", BLOCK_SIZE=16, BLOCK_D=128, GROUP=4)
             cfg = decode_attention._config(16, torch_dtype)
             launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
             for splits in (1, 8):
-                out.append((f"decode {dtype} fp8={fp8} splits={splits}", decode_attention._decode_kernel,
+                out.append((f"decode {dtype} cache={kv} splits={splits}", decode_attention._decode_kernel,
                             dict(types, out_ptr="*fp32" if splits > 1 else f"*{dtype}"),
                             dict(flags, BLOCK_G=16, BLOCK_N=cfg["BLOCK_N"], NUM_SPLITS=splits), launch))
             cfg = prefill_attention._config(4, torch_dtype)
-            out.append((f"prefill {dtype} fp8={fp8}", prefill_attention._prefill_kernel,
+            out.append((f"prefill {dtype} cache={kv}", prefill_attention._prefill_kernel,
                         dict(types, out_ptr=f"*{dtype}", num_seqs="i32"),
                         dict(flags, BLOCK_Q=cfg["BLOCK_M"] // 4, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"]),
                         dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])))
     out.append(("merge", decode_attention._merge_kernel, dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16"),
                 dict(NUM_SPLITS=8, BLOCK_S=8, BLOCK_D=128), dict(num_warps=4, num_stages=1)))
-    for fp8 in (False, True):
-        kv = "fp8e4nv" if fp8 else "bf16"
-        out.append((f"reshape_and_cache fp8={fp8}", cache._reshape_and_cache_kernel,
+    for kv, fp8_max in (("bf16", 0.0), ("fp8e4nv", 448.0), ("fp8e5", 57344.0)):
+        out.append((f"reshape_and_cache cache={kv}", cache._reshape_and_cache_kernel,
                     dict(key_ptr="*bf16", value_ptr="*bf16", key_cache_ptr=f"*{kv}", value_cache_ptr=f"*{kv}",
                          slot_mapping_ptr="*i64", k_scale="fp32", v_scale="*fp32"),
-                    dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, QUANTIZE=fp8, K_SCALE_IS_PTR=False,
-                         V_SCALE_IS_PTR=True), dict(num_warps=4, num_stages=1)))
+                    dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, QUANTIZE=fp8_max > 0, FP8_MAX=fp8_max,
+                         K_SCALE_IS_PTR=False, V_SCALE_IS_PTR=True, K_SCALE_STRIDE=0, V_SCALE_STRIDE=1),
+                    dict(num_warps=4, num_stages=1)))
     return out
 
 

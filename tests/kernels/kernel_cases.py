@@ -19,8 +19,8 @@ class PagedKV:
     value_cache: torch.Tensor
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]; entries past a sequence's blocks are -1
     seq_lens: torch.Tensor  # int32 [num_seqs]
-    k_scale: float = 1.0
-    v_scale: float = 1.0
+    k_scale: float | torch.Tensor = 1.0  # a float, or one per KV head ([num_kv_heads], on the cache's device)
+    v_scale: float | torch.Tensor = 1.0
 
 
 def awkward_lengths(gen: torch.Generator, count: int, block_size: int, max_len: int) -> list[int]:
@@ -32,10 +32,13 @@ def awkward_lengths(gen: torch.Generator, count: int, block_size: int, max_len: 
 
 
 def make_paged_kv(gen: torch.Generator, seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
-                  dtype: torch.dtype, device: torch.device, fp8: bool = False) -> PagedKV:
+                  dtype: torch.dtype, device: torch.device, fp8: bool = False, fp8_dtype: torch.dtype = FP8,
+                  per_head_scales: bool = False) -> PagedKV:
     """Caches with a few spare blocks, physical blocks handed out in a shuffled order (a wrong
     block-table lookup reads another sequence's K/V), unused cache rows filled with huge values
-    (reading one wrecks the output), and -1 past each sequence's last block."""
+    (reading one wrecks the output), and -1 past each sequence's last block. fp8: codes of
+    `fp8_dtype` written with torch's own cast; `per_head_scales`: KV head h's values are 4^h times
+    larger and its scales too, so a kernel that reads the wrong head's scale is off by 4x or more."""
     blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -55,19 +58,31 @@ def make_paged_kv(gen: torch.Generator, seq_lens: list[int], num_kv_heads: int, 
     k_scale = v_scale = 1.0
     if fp8:
         k_scale, v_scale = 0.05, 0.03  # e4m3 codes up to 448: randn / scale stays well inside
-        k_cache = (k / k_scale).clamp(-448, 448).to(FP8)
-        v_cache = (v / v_scale).clamp(-448, 448).to(FP8)
+        if per_head_scales:
+            head_gain = 4.0 ** torch.arange(num_kv_heads, dtype=torch.float64)[:, None]  # [H_kv, 1]
+            k, v = k * head_gain, v * head_gain
+            k_scale, v_scale = k_scale * head_gain[:, 0].float(), v_scale * head_gain[:, 0].float()
+        limit = torch.finfo(fp8_dtype).max
+        k_cache = (k / _bcast(k_scale)).clamp(-limit, limit).to(fp8_dtype)
+        v_cache = (v / _bcast(v_scale)).clamp(-limit, limit).to(fp8_dtype)
+        if per_head_scales:
+            k_scale, v_scale = k_scale.to(device), v_scale.to(device)
     else:
         k_cache, v_cache = k.to(dtype), v.to(dtype)
     return PagedKV(k_cache.to(device), v_cache.to(device), tables.to(device),
                    torch.tensor(seq_lens, dtype=torch.int32, device=device), k_scale, v_scale)
 
 
+def _bcast(scale: float | torch.Tensor) -> float | torch.Tensor:
+    """A per-head scale `[H_kv]` as `[H_kv, 1]` (float64), to broadcast over `[..., H_kv, D]`."""
+    return scale.double().cpu()[:, None] if isinstance(scale, torch.Tensor) else scale
+
+
 def gather64(cache: torch.Tensor, table: torch.Tensor, length: int, scale: float) -> torch.Tensor:
     """The first `length` tokens of one sequence, token by token through its block table: [length, H_kv, D]."""
     block_size = cache.shape[1]
     rows = [cache[int(table[t // block_size]), t % block_size] for t in range(length)]
-    return torch.stack(rows).cpu().to(torch.float64) * scale
+    return torch.stack(rows).cpu().to(torch.float64) * _bcast(scale)
 
 
 def max_abs_value(kv: PagedKV) -> float:

@@ -63,20 +63,47 @@ def test_strided_key_and_value_views(seed: int, device: torch.device) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="needs CUDA: the Triton interpreter rounds fp32 -> e4m3 wrongly near binade edges "
                            "(31.7 became 16), so the fp8 write path is only testable compiled")
-@pytest.mark.parametrize("tensor_scales", [False, True])
-def test_fp8_quantizes_like_the_reference(seed: int, device: torch.device, tensor_scales: bool) -> None:
+@pytest.mark.parametrize("scales", ["float", "tensor", "per_head"])
+@pytest.mark.parametrize("kv_cache_dtype, fmt", [("fp8", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_fp8_quantizes_like_the_reference(seed: int, device: torch.device, scales: str, kv_cache_dtype: str,
+                                          fmt: torch.dtype) -> None:
+    """Bit for bit torch's cast of x / scale (kernels.reference): saturated, rounded to nearest even."""
     key, value, _, _, slots = _case(seed, device, torch.bfloat16, 16)
     key, value = key * 40, value * 40  # some values past 448 * scale: saturation must clamp, not overflow
-    key_cache = torch.zeros(5, 16, 2, 24, dtype=torch.float8_e4m3fn, device=device)
+    key[0, 0, :4] = torch.tensor([float("inf"), -float("inf"), 1e30, -1e30])  # past e5m2's 57344 too
+    key_cache = torch.zeros(5, 16, 2, 24, dtype=fmt, device=device)
     value_cache = torch.zeros_like(key_cache)
     expected_k, expected_v = key_cache.clone(), value_cache.clone()
-    k_scale, v_scale = (torch.tensor(0.3, device=device), torch.tensor(0.2, device=device)) if tensor_scales \
-        else (0.3, 0.2)
-    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots, "fp8_e4m3", k_scale, v_scale,
+    k_scale, v_scale = {"float": (0.3, 0.2),
+                        "tensor": (torch.tensor(0.3, device=device), torch.tensor(0.2, device=device)),
+                        "per_head": (torch.tensor([0.3, 0.007], device=device),
+                                     torch.tensor([2.0, 0.2], device=device))}[scales]
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots, kv_cache_dtype, k_scale, v_scale,
                               backend="triton")
-    reference.reshape_and_cache(key, value, expected_k, expected_v, slots, "fp8_e4m3", k_scale, v_scale)
+    reference.reshape_and_cache(key, value, expected_k, expected_v, slots, kv_cache_dtype, k_scale, v_scale)
     assert torch.equal(key_cache.view(torch.uint8), expected_k.view(torch.uint8)), f"seed {seed}"
     assert torch.equal(value_cache.view(torch.uint8), expected_v.view(torch.uint8)), f"seed {seed}"
+    assert not key_cache.float().isnan().any() and not key_cache.float().isinf().any()
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_fp8_write_uses_each_heads_scale(seed: int, device: torch.device, fmt: torch.dtype) -> None:
+    """Per-KV-head scales 100x apart: each head's rows come back within 2x of what was written.
+    2x, not an fp8 ulp, because the interpreter (CPU) misrounds near binade edges (31.7 became 16);
+    the exact check is the CUDA test above. A kernel reading the wrong head's scale is off by 100x."""
+    key, value, key_cache, value_cache, slots = _case(seed, device, torch.float32, 8, num_kv_heads=3)
+    gain = torch.tensor([1.0, 100.0, 0.01], device=device)[:, None]
+    key, value = key * gain, value * gain
+    k_scale, v_scale = gain[:, 0] / 50, gain[:, 0] / 100
+    key_cache, value_cache = key_cache.to(fmt), value_cache.to(fmt)
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots, "auto", k_scale, v_scale, backend="triton")
+    keep = slots >= 0
+    for cache, x, scale in ((key_cache, key, k_scale), (value_cache, value, v_scale)):
+        back = cache.view(-1, 3, 24)[slots[keep]].float() * scale[:, None]
+        x = x[keep]
+        big = x.abs() > 0.1 * gain  # away from the subnormal range, where relative error means nothing
+        ratio = (back[big] / x[big]).cpu()
+        assert ((ratio > 0.5) & (ratio < 2.0)).all(), f"{fmt}: ratios {ratio.min():.3g}..{ratio.max():.3g}; seed {seed}"
 
 
 def test_shape_mismatch_is_a_value_error(device: torch.device) -> None:

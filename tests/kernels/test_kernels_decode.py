@@ -23,14 +23,18 @@ def _fp8_score_abs(query: torch.Tensor, kv: PagedKV, scale: float) -> float:
 
 
 def _run(seed: int, device: torch.device, dtype: torch.dtype, group: int, block_size: int, num_splits: int,
-         fp8: bool = False, tensor_scales: bool = False) -> None:
+         fp8: bool = False, tensor_scales: bool = False, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+         per_head_scales: bool = False) -> None:
     gen = torch.Generator().manual_seed(seed)
     lens = awkward_lengths(gen, 4, block_size, max_len=45)
-    kv = make_paged_kv(gen, lens, NUM_KV_HEADS, HEAD_DIM, block_size, dtype, device, fp8=fp8)
-    query = torch.randn(len(lens), NUM_KV_HEADS * group, HEAD_DIM, generator=gen).to(device, dtype)
+    kv = make_paged_kv(gen, lens, NUM_KV_HEADS, HEAD_DIM, block_size, dtype, device, fp8=fp8, fp8_dtype=fp8_dtype,
+                       per_head_scales=per_head_scales)
+    # per-head scales: head 1's K is 4x head 0's, so smaller queries keep the logits in the usual range
+    query = torch.randn(len(lens), NUM_KV_HEADS * group, HEAD_DIM, generator=gen).to(device, dtype) * (
+        0.25 if per_head_scales else 1.0)
     scale = HEAD_DIM**-0.5
     k_scale, v_scale = kv.k_scale, kv.v_scale
-    if tensor_scales:
+    if tensor_scales and not per_head_scales:
         k_scale, v_scale = torch.tensor(k_scale, device=device), torch.tensor(v_scale, device=device)
     out = kernels.paged_attention_decode(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, scale,
                                          k_scale, v_scale, num_splits=num_splits, backend="triton")
@@ -38,7 +42,7 @@ def _run(seed: int, device: torch.device, dtype: torch.dtype, group: int, block_
     expected = oracle_attention(query, kv, [1] * len(lens), scale)
     assert_attention_close(out, expected, dtype, seed,
                            f"decode {dtype} group={group} block_size={block_size} num_splits={num_splits} "
-                           f"fp8={fp8} seq_lens={lens}", max_abs_value(kv),
+                           f"fp8={fp8 and fp8_dtype} per_head={per_head_scales} seq_lens={lens}", max_abs_value(kv),
                            _fp8_score_abs(query, kv, scale) if fp8 else 0.0)
 
 
@@ -56,6 +60,15 @@ def test_decode_matches_oracle(seed: int, device: torch.device, poison_allocatio
 def test_decode_reads_fp8_cache_with_scales(seed: int, device: torch.device, poison_allocations: None,
                                             dtype: torch.dtype, tensor_scales: bool) -> None:
     _run(seed, device, dtype, group=2, block_size=16, num_splits=2, fp8=True, tensor_scales=tensor_scales)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_decode_reads_fp8_formats_with_per_head_scales(seed: int, device: torch.device, poison_allocations: None,
+                                                       fp8_dtype: torch.dtype, num_splits: int) -> None:
+    """e4m3 and e5m2 caches, one scale per KV head ([num_kv_heads] tensors), KV heads 4x apart."""
+    _run(seed, device, torch.float32, group=2, block_size=8, num_splits=num_splits, fp8=True, fp8_dtype=fp8_dtype,
+         per_head_scales=True)
 
 
 def test_many_splits_on_short_sequences_leave_empty_splits_harmless(seed: int, device: torch.device,

@@ -53,3 +53,20 @@ def test_prefill_reads_fp8_cache_with_scales(seed: int, device: torch.device, po
     assert_attention_close(out, oracle_attention(query, kv, q_lens, 0.2), torch.float32, seed,
                            f"prefill fp8 seq_lens={seq_lens} q_lens={q_lens}", max_abs_value(kv))
 
+
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_prefill_reads_fp8_formats_with_per_head_scales(seed: int, device: torch.device, poison_allocations: None,
+                                                        fp8_dtype: torch.dtype) -> None:
+    """KV heads 4x apart in magnitude, each with its own scale ([num_kv_heads] tensors)."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens, q_lens = _mixed_batch(gen, 16)
+    kv = make_paged_kv(gen, seq_lens, NUM_KV_HEADS, HEAD_DIM, 16, torch.float32, device, fp8=True,
+                       fp8_dtype=fp8_dtype, per_head_scales=True)
+    query = torch.randn(sum(q_lens), 4, HEAD_DIM, generator=gen).to(device) * 0.25
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    out = kernels.paged_attention(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl, 0.2,
+                                  kv.k_scale, kv.v_scale, backend="triton")
+    assert_attention_close(out, oracle_attention(query, kv, q_lens, 0.2), torch.float32, seed,
+                           f"prefill {fp8_dtype} per-head scales seq_lens={seq_lens} q_lens={q_lens}",
+                           max_abs_value(kv))
+

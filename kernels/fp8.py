@@ -1,0 +1,77 @@
+"""FP8 KV-cache formats: the scale that maps a tensor's range onto a format, quantize on write,
+dequantize on read. Every backend does exactly this arithmetic (the Triton kernels in registers),
+so torch's own float8 casts, which round to nearest even correctly on CPU, are the reference.
+
+vLLM's names: `kv_cache_dtype="fp8"` is `"fp8_e4m3"` (OCP e4m3fn: 3 mantissa bits, largest value
+448, no infinity; the OCP spec leaves overflow to NaN), `"fp8_e5m2"` trades a mantissa bit for
+range (largest value 57344). A cache stores `x / scale` rounded to the format and saturated at
+its largest value; a read returns `code * scale`. A scale is fp32, one per tensor (a float or a
+0-dim tensor) or one per KV head (shape `[num_kv_heads]`), for K and for V of each layer: one
+outlier head would otherwise squeeze every other head's values into the format's subnormals.
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_FORMATS: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                                       "fp8_e5m2": torch.float8_e5m2}
+KV_CACHE_DTYPES = ("auto", *FP8_FORMATS)
+
+
+def fp8_dtype(kv_cache_dtype: str) -> torch.dtype | None:
+    """The storage dtype `kv_cache_dtype` names: None for "auto" (the model's dtype)."""
+    if kv_cache_dtype == "auto":
+        return None
+    if kv_cache_dtype not in FP8_FORMATS:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return FP8_FORMATS[kv_cache_dtype]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """The largest finite value of an fp8 dtype: where quantization saturates (448 or 57344)."""
+    if not is_fp8(dtype):
+        raise ValueError(f"an fp8 dtype (float8_e4m3fn or float8_e5m2) is needed, got {dtype}")
+    return float(torch.finfo(dtype).max)
+
+
+def cache_format(kv_cache_dtype: str, cache: torch.Tensor) -> torch.dtype | None:
+    """The fp8 format a write must quantize to (None: a plain copy). The cache's dtype decides;
+    a `kv_cache_dtype` naming a different format is a caller bug, reported here."""
+    named = fp8_dtype(kv_cache_dtype)
+    stored = cache.dtype if is_fp8(cache.dtype) else None
+    if named is not None and named != stored:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a {named} cache, got a {cache.dtype} cache")
+    return stored
+
+
+def per_head(scale: float | torch.Tensor) -> float | torch.Tensor:
+    """A scale ready to broadcast over `[..., num_kv_heads, head_dim]`: `[H]` becomes `[H, 1]`."""
+    if isinstance(scale, torch.Tensor) and scale.dim() == 1:
+        return scale.float()[:, None]
+    return scale.float() if isinstance(scale, torch.Tensor) else scale
+
+
+# seam: lab 08 (planned)
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The scale that maps [-amax, amax] onto the format's whole range: amax / fp8_max(dtype), in fp32.
+    An all-zero tensor (amax 0) gets scale 1: any scale stores zeros exactly, and 0 would divide by 0."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / fp8_max(dtype), torch.ones_like(amax))
+
+
+# seam: lab 08 (planned)
+def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+    """x `[..., num_kv_heads, head_dim]` / scale (per tensor or `[num_kv_heads]`) in fp32, saturated at
+    +-fp8_max(dtype) (so +-inf and overflow store the largest value, never NaN), rounded to nearest even."""
+    limit = fp8_max(dtype)
+    return (x.float() / per_head(scale)).clamp(-limit, limit).to(dtype)
+
+
+# seam: lab 08 (planned)
+def dequantize_fp8(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """code * scale in fp32, then cast to `dtype`: the value a kernel computes with."""
+    return (x.float() * per_head(scale)).to(dtype)
