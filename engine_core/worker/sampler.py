@@ -7,9 +7,14 @@ tokens do not depend on what else shares the batch. Unseeded rows share one engi
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from engine_core.request import Request
+
+
+INVALID_TOKEN = -1  # the token of a row whose logits (or probabilities) are NaN or +inf: nothing to sample
 
 
 class Sampler:
@@ -17,20 +22,23 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """logits `[len(requests), vocab]` (fp32) -> one token id per request."""
+        """logits `[len(requests), vocab]` (fp32) -> one token id per request, INVALID_TOKEN for a row
+        with a NaN or +inf logit (argmax would silently pick such an entry; -inf is a masked token)."""
         params = [r.sampling_params for r in requests]
+        invalid = (logits < math.inf).all(dim=-1).logical_not_()  # NaN < inf is False too
         greedy = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not sampled_rows:
-            return greedy.tolist()
-        rows = torch.tensor(sampled_rows, device=logits.device)
-        temps = torch.tensor([params[i].temperature for i in sampled_rows], device=logits.device)
-        x = logits[rows] / temps[:, None]
-        x = _apply_top_k_top_p(x, [params[i].top_k for i in sampled_rows], [params[i].top_p for i in sampled_rows])
-        probs = x.softmax(dim=-1)
-        noise = self._exponential_noise([requests[i] for i in sampled_rows], x.shape[1]).to(logits.device)
-        greedy[rows] = (probs / noise).argmax(dim=-1)
-        return greedy.tolist()
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            temps = torch.tensor([params[i].temperature for i in sampled_rows], device=logits.device)
+            x = logits[rows] / temps[:, None]
+            x = _apply_top_k_top_p(x, [params[i].top_k for i in sampled_rows],
+                                   [params[i].top_p for i in sampled_rows])
+            probs = x.softmax(dim=-1)
+            noise = self._exponential_noise([requests[i] for i in sampled_rows], x.shape[1]).to(logits.device)
+            greedy[rows] = (probs / noise).argmax(dim=-1)
+            invalid[rows] |= probs.isnan().any(dim=-1)  # logits / T overflowed
+        return greedy.masked_fill_(invalid, INVALID_TOKEN).tolist()
 
     def _exponential_noise(self, requests: list[Request], vocab_size: int) -> torch.Tensor:
         """Exp(1) noise `[len(requests), vocab]`: seeded rows from their own generator, the rest in one draw."""

@@ -1,0 +1,90 @@
+"""The engine's threading contract, checked instead of assumed.
+
+An LLMEngine is single-threaded: one caller drives it. Two threads stepping it would each take
+the other's finished outputs (each then waits forever for outputs it will never see), and a step
+re-entered from inside a step (a callback, a hook on the model) would run on half-updated state.
+So every state-changing call enters a `ThreadGuard` and a second caller gets an EngineBusyError
+at once, naming both, instead of a deadlock or a corrupted engine:
+
+- `session(what)`: one caller across many calls (`LLM.generate` holds one for its whole loop);
+  a second session, from any thread, is refused.
+- `call(what)`: one operation (`step`, `add_request`); allowed only in the session holder's
+  thread (or with no session), and never inside another call.
+
+`abort_request` is the exception: it may come from any thread (a watchdog, a request handler);
+it uses `call_if_free` and, when the engine is busy, is queued for the next step boundary.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+
+class EngineBusyError(RuntimeError):
+    """The engine is in use by another thread, or was re-entered from inside its own step."""
+
+
+class ThreadGuard:
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()  # held only while the two slots below are read or written
+        self._session: tuple[int, str] | None = None  # (thread id, what) across calls
+        self._call: tuple[int, str] | None = None  # (thread id, what) running now
+
+    def _refusal(self, what: str) -> str | None:
+        me = threading.get_ident()
+        for holder in (self._call, self._session):
+            if holder is None:
+                continue
+            thread, doing = holder
+            if thread != me:
+                return (f"{what} called from thread {me} while thread {thread} is in {doing}: the engine is "
+                        f"single-threaded (use one engine per thread, or one thread that owns it)")
+            if holder is self._call:
+                return f"{what} called from inside {doing} (re-entered from a callback or hook during a step?)"
+        return None
+
+    @contextmanager
+    def session(self, what: str) -> Iterator[None]:
+        with self._mutex:
+            if self._session is not None:
+                thread, doing = self._session
+                where = "this thread" if thread == threading.get_ident() else f"thread {thread}"
+                raise EngineBusyError(f"{what} called while {doing} is running in {where}: the engine serves "
+                                      f"one caller at a time (pass all prompts to one call)")
+            refusal = self._refusal(what)
+            if refusal:
+                raise EngineBusyError(refusal)
+            self._session = (threading.get_ident(), what)
+        try:
+            yield
+        finally:
+            self._session = None
+
+    def _enter_call(self, what: str) -> str | None:
+        """Take the call slot and return None, or return why not."""
+        with self._mutex:
+            refusal = self._refusal(what)
+            if refusal is None:
+                self._call = (threading.get_ident(), what)
+            return refusal
+
+    @contextmanager
+    def call(self, what: str) -> Iterator[None]:
+        refusal = self._enter_call(what)
+        if refusal is not None:
+            raise EngineBusyError(refusal)
+        try:
+            yield
+        finally:
+            self._call = None
+
+    @contextmanager
+    def call_if_free(self, what: str) -> Iterator[bool]:
+        """Like `call`, but yields False instead of raising when the engine is busy."""
+        entered = self._enter_call(what) is None
+        try:
+            yield entered
+        finally:
+            if entered:
+                self._call = None
