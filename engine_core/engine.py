@@ -65,7 +65,7 @@ class LLMEngine:
                     priority: int = 0, arrival_time: float | None = None) -> Request:
         """Validate, then queue. Raises ValueError naming the parameter; nothing changes on error.
         `sampling_params` is checked again and copied: changing it later does not reach this request."""
-        with self.guard.call("add_request()"):
+        with sigint_deferred(), self.guard.call("add_request()"):
             self._apply_pending_aborts()
             if not isinstance(request_id, str) or not request_id:
                 fail("request_id", "a non-empty str", request_id)
@@ -114,7 +114,7 @@ class LLMEngine:
         thread, or a call from inside a step) the abort is queued and applied when the step ends."""
         if not isinstance(request_id, str):
             fail("request_id", "a str", request_id)
-        with self.guard.call_if_free("abort_request()") as free:
+        with sigint_deferred(), self.guard.call_if_free("abort_request()") as free:
             if free:
                 self._abort(request_id)
             else:
@@ -164,7 +164,7 @@ class LLMEngine:
         if self._report_stragglers:  # finished by a failed step, not yet reported
             self._report_stragglers = False
             reported = [r for r, _ in self.requests.values() if r.is_finished and r not in reported] + reported
-        outputs = [self.make_output(r, self.requests[r.request_id][1]) for r in reported]
+        outputs = [self.make_output(r, self.requests.get(r.request_id, (r, None))[1]) for r in reported]
         finished = [r.request_id for r in reported if r.is_finished]
         self.runner.remove_requests(finished)
         counters = self.scheduler.counters
@@ -172,7 +172,7 @@ class LLMEngine:
         counters.step_time_s += time.perf_counter() - t0
         self.last_step = StepInfo.between(before, self.scheduler.make_stats(), len(scheduled.scheduled))
         for rid in finished:  # last: a request leaves self.requests when its final output is returned
-            del self.requests[rid]
+            self.requests.pop(rid, None)
         return outputs
 
     def _fail(self, request_id: str, why: str) -> Request:

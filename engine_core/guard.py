@@ -47,13 +47,13 @@ class ThreadGuard:
     @contextmanager
     def session(self, what: str) -> Iterator[None]:
         with self._mutex:
-            if self._session is not None:
+            refusal = self._refusal(what)
+            if refusal is None and self._session is not None:
                 thread, doing = self._session
                 where = "this thread" if thread == threading.get_ident() else f"thread {thread}"
-                raise EngineBusyError(f"{what} called while {doing} is running in {where}: the engine serves "
-                                      f"one caller at a time (pass all prompts to one call)")
-            refusal = self._refusal(what)
-            if refusal:
+                refusal = (f"{what} called while {doing} is running in {where}: the engine serves one caller "
+                           f"at a time (pass all prompts to one call)")
+            if refusal is not None:
                 raise EngineBusyError(refusal)
             self._session = (threading.get_ident(), what)
         try:
