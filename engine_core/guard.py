@@ -32,27 +32,24 @@ class ThreadGuard:
         self._call: tuple[int, str] | None = None  # (thread id, what) running now
 
     def _refusal(self, what: str) -> str | None:
+        """Why `what` may not run now (another thread holds the engine, or a call is running in this
+        one), or None."""
         me = threading.get_ident()
-        for holder in (self._call, self._session):
-            if holder is None:
-                continue
-            thread, doing = holder
-            if thread != me:
-                return (f"{what} called from thread {me} while thread {thread} is in {doing}: the engine is "
-                        f"single-threaded (use one engine per thread, or one thread that owns it)")
-            if holder is self._call:
-                return f"{what} called from inside {doing} (re-entered from a callback or hook during a step?)"
+        for holder in (self._session, self._call):
+            if holder is not None and holder[0] != me:
+                return (f"{what} called from thread {me} while thread {holder[0]} is in {holder[1]}: the engine is "
+                        f"single-threaded (use one engine per thread, or one thread that drives it)")
+        if self._call is not None:
+            return f"{what} called from inside {self._call[1]} (re-entered from a callback or hook during a step?)"
         return None
 
     @contextmanager
     def session(self, what: str) -> Iterator[None]:
         with self._mutex:
             refusal = self._refusal(what)
-            if refusal is None and self._session is not None:
-                thread, doing = self._session
-                where = "this thread" if thread == threading.get_ident() else f"thread {thread}"
-                refusal = (f"{what} called while {doing} is running in {where}: the engine serves one caller "
-                           f"at a time (pass all prompts to one call)")
+            if refusal is None and self._session is not None:  # held by this thread
+                refusal = (f"{what} called while {self._session[1]} is running in this thread: the engine "
+                           f"serves one caller at a time (pass all prompts to one call)")
             if refusal is not None:
                 raise EngineBusyError(refusal)
             self._session = (threading.get_ident(), what)

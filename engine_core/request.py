@@ -10,8 +10,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from engine_core.validation import SEED_RANGE, check_bool, check_int, check_int_list, check_real
 
 
@@ -120,9 +118,6 @@ class Request:
         self.num_preemptions = 0
         self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
         self.error: str | None = None  # why it finished with FINISHED_ERROR
-        self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed)
 
     @property
     def arrival_time(self) -> float:

@@ -2,8 +2,10 @@
 
 Vectorised over the batch with the exponential race: with q_i ~ Exp(1) independent,
 argmax_i p_i / q_i is a sample from p (the Gumbel-max trick in another form). The noise of a
-seeded request comes from its own generator, one draw of `vocab_size` values per token, so its
-tokens do not depend on what else shares the batch. Unseeded rows share one engine generator.
+seeded request's k-th output token is one draw of `vocab_size` values from a generator seeded
+with (seed, k) alone, so its tokens depend neither on what else shares the batch nor on how often
+the request was preempted, recomputed or rolled back after a failed step (a draw repeated for the
+same position gives the same token). Unseeded rows share one engine generator.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ INVALID_TOKEN = -1  # the token of a row whose logits (or probabilities) are NaN
 
 class Sampler:
     def __init__(self, seed: int) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)  # unseeded requests
+        self.seeded = torch.Generator()  # re-seeded for every seeded draw
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits `[len(requests), vocab]` (fp32) -> one token id per request, INVALID_TOKEN for a row
@@ -41,15 +44,22 @@ class Sampler:
         return greedy.masked_fill_(invalid, INVALID_TOKEN).tolist()
 
     def _exponential_noise(self, requests: list[Request], vocab_size: int) -> torch.Tensor:
-        """Exp(1) noise `[len(requests), vocab]`: seeded rows from their own generator, the rest in one draw."""
+        """Exp(1) noise `[len(requests), vocab]`: seeded rows from (seed, position), the rest in one draw."""
         noise = torch.empty(len(requests), vocab_size)
-        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+        unseeded = [i for i, r in enumerate(requests) if r.sampling_params.seed is None]
         if unseeded:
             noise[unseeded] = torch.empty(len(unseeded), vocab_size).exponential_(generator=self.generator)
-        for i, r in enumerate(requests):  # one draw per seeded row: its generator is its own
-            if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
+        for i, r in enumerate(requests):
+            seed = r.sampling_params.seed
+            if seed is not None:
+                self.seeded.manual_seed(draw_seed(seed, r.num_output_tokens))
+                noise[i].exponential_(generator=self.seeded)
         return noise
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw for output token `position` (a 64-bit mix)."""
+    return (seed + (position + 1) * 0x9E3779B97F4A7C15) % 2**64
 
 
 def _apply_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
