@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv lab test demo bench bench-kernels labs grade clean
+.PHONY: venv lab test fuzz demo bench bench-kernels labs grade clean
 
 venv: $(STAMP)
 
@@ -32,6 +32,12 @@ grade: venv
 
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The long randomized runs (tens of minutes): 2,000 scheduler examples (hypothesis), 300 random
+# real-model sequences, KeyboardInterrupt at every line every step of a workload runs.
+fuzz: venv
+	FUZZ_SCHEDULER_EXAMPLES=2000 FUZZ_ENGINE_SEQUENCES=300 FUZZ_INTERRUPT_ALL_LINES=1 $(PY) -m pytest -q \
+		tests/test_invariants.py tests/test_engine_fuzz.py tests/test_step_interrupts.py $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) -m engine_core.demo

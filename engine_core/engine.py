@@ -177,7 +177,7 @@ class LLMEngine:
 
     def _fail(self, request_id: str, why: str) -> Request:
         """Finish a request whose step failed (before update_from_output, which then skips it)."""
-        request = self.requests[request_id][0]
+        request = self.scheduler.requests[request_id]
         request.error = why
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
         self.scheduler.counters.num_failed_requests += 1

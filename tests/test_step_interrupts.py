@@ -6,7 +6,8 @@ hits, chunked prefill, requests finishing mid-update.
 
 `make test` interrupts every line of the step's own code (LLMEngine.step and _step,
 Scheduler.update_from_output, ModelRunner.execute_model) in the swap-out and swap-in steps;
-`make fuzz` (FUZZ_INTERRUPT_ALL_LINES=1) every line of engine_core the steps run, at any depth.
+`make fuzz` (FUZZ_INTERRUPT_ALL_LINES=1) every line of engine_core that any step of the workload
+runs, at any depth (the scheduler's seams, the KV manager, the forward, the sampler).
 Real Ctrl-C is also held until the step ends (engine_core.interrupts), tested with a real SIGINT.
 """
 from __future__ import annotations
@@ -66,10 +67,11 @@ def test_the_workload_swaps():
 
 @pytest.mark.slow
 def test_interrupt_at_every_line_of_a_step():
-    """For the swap-out and the swap-in step, each distinct line in turn (its first execution)."""
+    """Each distinct line of a step in turn (its first execution): in the swap-out and swap-in steps,
+    or (make fuzz) in every step of the workload."""
     expected, lines, _ = _uninterrupted()
     scope = None if ALL_LINES else BOUNDARY
-    for step in (5, 11):
+    for step in range(len(lines)) if ALL_LINES else (5, 11):
         firsts = {line: i for i, line in reversed(list(enumerate(lines[step])))}
         for event in sorted(firsts.values()):
             engine, requests = _engine()

@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from engine_core.engine import LLMEngine
+from engine_core.interrupts import sigint_deferred
 from engine_core.prompts import PromptType, as_prompt_list
 from engine_core.request import Request, RequestOutput, SamplingParams
 from engine_core.validation import fail
@@ -45,12 +46,12 @@ class LLM:
         time: a second, concurrent or from inside a step, gets EngineBusyError."""
         prompt_list = as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
+        ids = [f"gen-{next(self._ids)}" for _ in prompt_list]
+        added: dict[str, tuple[Request, str | None]] = {}  # id -> (request, prompt text)
+        done: dict[str, RequestOutput] = {}
         with self.engine.guard.session("LLM.generate()"):
-            added: dict[str, tuple[Request, str | None]] = {}
-            done: dict[str, RequestOutput] = {}
             try:
-                for i, (prompt, sp) in enumerate(zip(prompt_list, params)):
-                    rid = f"gen-{next(self._ids)}"
+                for i, (rid, prompt, sp) in enumerate(zip(ids, prompt_list, params)):
                     try:
                         request = self.engine.add_request(rid, prompt, sp)
                     except ValueError as e:
@@ -58,10 +59,11 @@ class LLM:
                     added[rid] = (request, self.engine.requests[rid][1])
                 self._run(added, done, use_tqdm)
             finally:
-                for rid in added:
-                    if rid not in done:
-                        self.engine.abort_request(rid)
-        outputs = [done[rid] for rid in added]
+                with sigint_deferred():  # a second Ctrl-C must not cut the clean-up short
+                    for rid in ids:  # all of them: an interrupt may land between add_request and `added`
+                        if rid not in done:
+                            self.engine.abort_request(rid)
+        outputs = [done[rid] for rid in ids]
         failed = [i for i, out in enumerate(outputs) if out.outputs[0].finish_reason == "error"]
         if failed:
             raise GenerationError(outputs, failed)
