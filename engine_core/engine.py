@@ -22,15 +22,13 @@ from typing import Any
 from engine_core.config import EngineConfig, KVCacheConfig, ResolvedConfig
 from engine_core.core.cost_model import PreemptionCostModel
 from engine_core.core.scheduler import Scheduler
-from engine_core.guard import ThreadGuard
-from engine_core.interrupts import sigint_deferred
+from engine_core.guard import ThreadGuard, guarded
 from engine_core.metrics import StepInfo
 from engine_core.models.config import ModelConfig
 from engine_core.prompts import PromptType, parse_prompt
 from engine_core.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
 from engine_core.validation import check_int, check_real, fail
 from engine_core.worker.model_runner import ModelRunner
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -61,34 +59,34 @@ class LLMEngine:
         return self.model_config.args.vocab_size
 
     # ---- requests ------------------------------------------------------------------------
+    @guarded("add_request()")
     def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None) -> Request:
         """Validate, then queue. Raises ValueError naming the parameter; nothing changes on error.
         `sampling_params` is checked again and copied: changing it later does not reach this request."""
-        with sigint_deferred(), self.guard.call("add_request()"):
-            self._apply_pending_aborts()
-            if not isinstance(request_id, str) or not request_id:
-                fail("request_id", "a non-empty str", request_id)
-            if request_id in self.requests:
-                raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-            if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
-                fail("sampling_params", "a SamplingParams or None", sampling_params)
-            params = dataclasses.replace(sampling_params or SamplingParams())  # re-runs every check
-            priority = check_int("priority", priority, hint="lower = served first")
-            arrival_time = check_real("arrival_time", arrival_time, optional=True)
-            text, token_ids = self._tokenize(prompt)
-            limit = self.config.max_model_len
-            if len(token_ids) + 1 > limit:
-                raise ValueError(f"prompt has {len(token_ids)} tokens; with the first generated token it must fit "
-                                 f"max_model_len={limit}, so at most {limit - 1} prompt tokens are allowed")
-            eos = self.model_config.eos_token_ids
-            if not params.ignore_eos and len(eos) > 1:  # extra EOS ids stop like stop tokens
-                params.stop_token_ids += list(eos[1:])
-            request = Request(request_id, token_ids, params, eos_token_id=eos[0] if eos else None,
-                              arrival_time=arrival_time, priority=priority)
-            self.scheduler.add_request(request)  # may reject (never fits the KV cache) before queuing
-            self.requests[request_id] = (request, text)
-            return request
+        self._apply_pending_aborts()
+        if not isinstance(request_id, str) or not request_id:
+            fail("request_id", "a non-empty str", request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            fail("sampling_params", "a SamplingParams or None", sampling_params)
+        params = dataclasses.replace(sampling_params or SamplingParams())  # re-runs every check
+        priority = check_int("priority", priority, hint="lower = served first")
+        arrival_time = check_real("arrival_time", arrival_time, optional=True)
+        text, token_ids = self._tokenize(prompt)
+        limit = self.config.max_model_len
+        if len(token_ids) + 1 > limit:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; with the first generated token it must fit "
+                             f"max_model_len={limit}, so at most {limit - 1} prompt tokens are allowed")
+        eos = self.model_config.eos_token_ids
+        if not params.ignore_eos and len(eos) > 1:  # extra EOS ids stop like stop tokens
+            params.stop_token_ids += list(eos[1:])
+        request = Request(request_id, token_ids, params, eos_token_id=eos[0] if eos else None,
+                          arrival_time=arrival_time, priority=priority)
+        self.scheduler.add_request(request)  # may reject (never fits the KV cache) before queuing
+        self.requests[request_id] = (request, text)
+        return request
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids in [0, vocab_size))."""
@@ -108,17 +106,15 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, vocab_size={self.vocab_size}), got {bad}")
         return text, token_ids
 
+    def _queue_abort(self, request_id: str) -> None:
+        self._pending_aborts.append(_checked_id(request_id))
+
+    @guarded("abort_request()", when_busy=_queue_abort)
     def abort_request(self, request_id: str) -> None:
         """Finish the request as aborted and free its blocks; unknown or finished ids are ignored, and
         no output is returned for it. Safe from any thread: while the engine is busy (a step in another
         thread, or a call from inside a step) the abort is queued and applied when the step ends."""
-        if not isinstance(request_id, str):
-            fail("request_id", "a str", request_id)
-        with sigint_deferred(), self.guard.call_if_free("abort_request()") as free:
-            if free:
-                self._abort(request_id)
-            else:
-                self._pending_aborts.append(request_id)
+        self._abort(_checked_id(request_id))
 
     def _abort(self, request_id: str) -> None:
         if self.requests.pop(request_id, None) is not None:
@@ -135,6 +131,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests() or bool(self.requests) or bool(self._pending_aborts)
 
     # ---- one step ------------------------------------------------------------------------
+    @guarded("step()")
     def step(self) -> list[RequestOutput]:
         """Schedule, run the forward, sample, update. Returns an output for every request that got
         a token this step (finished ones have `.finished` and, with a tokenizer, `.outputs[0].text`),
@@ -143,15 +140,14 @@ class LLMEngine:
         All-or-nothing: Ctrl-C waits for the step to end; an exception or interrupt part-way rolls the
         scheduler back to a consistent state (every running request is recomputed from its tokens) and
         propagates, its outputs unreturned; the next step reports requests it had finished."""
-        with sigint_deferred(), self.guard.call("step()"):
-            self._apply_pending_aborts()
-            try:
-                outputs = self._step()
-            except BaseException:
-                self._recover()
-                raise
-            self._apply_pending_aborts()  # those that came from inside the step
-            return outputs
+        self._apply_pending_aborts()
+        try:
+            outputs = self._step()
+        except BaseException:
+            self._recover()
+            raise
+        self._apply_pending_aborts()  # those that came from inside the step
+        return outputs
 
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -208,3 +204,9 @@ class LLMEngine:
     def prometheus_metrics(self) -> str:
         """The same numbers in Prometheus' text format, with vLLM's metric names and histograms."""
         return self.scheduler.make_stats().to_prometheus()
+
+
+def _checked_id(request_id: Any) -> str:
+    if not isinstance(request_id, str):
+        fail("request_id", "a str", request_id)
+    return request_id

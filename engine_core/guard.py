@@ -12,13 +12,18 @@ at once, naming both, instead of a deadlock or a corrupted engine:
   thread (or with no session), and never inside another call.
 
 `abort_request` is the exception: it may come from any thread (a watchdog, a request handler);
-it uses `call_if_free` and, when the engine is busy, is queued for the next step boundary.
+when the engine is busy it is queued for the next step boundary (`guarded(..., when_busy=...)`).
 """
 from __future__ import annotations
 
+import functools
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Callable, Iterator, TypeVar
+
+from engine_core.interrupts import sigint_deferred
+
+Method = TypeVar("Method", bound=Callable[..., Any])
 
 
 class EngineBusyError(RuntimeError):
@@ -58,30 +63,31 @@ class ThreadGuard:
         finally:
             self._session = None
 
-    def _enter_call(self, what: str) -> str | None:
-        """Take the call slot and return None, or return why not."""
+    @contextmanager
+    def call(self, what: str, defer_if_busy: bool = False) -> Iterator[bool]:
+        """One operation: yields True once entered; when the engine is busy raises EngineBusyError,
+        or with `defer_if_busy` yields False (the caller defers its work, it does not block)."""
         with self._mutex:
             refusal = self._refusal(what)
             if refusal is None:
                 self._call = (threading.get_ident(), what)
-            return refusal
-
-    @contextmanager
-    def call(self, what: str) -> Iterator[None]:
-        refusal = self._enter_call(what)
-        if refusal is not None:
+        if refusal is not None and not defer_if_busy:
             raise EngineBusyError(refusal)
         try:
-            yield
+            yield refusal is None
         finally:
-            self._call = None
-
-    @contextmanager
-    def call_if_free(self, what: str) -> Iterator[bool]:
-        """Like `call`, but yields False instead of raising when the engine is busy."""
-        entered = self._enter_call(what) is None
-        try:
-            yield entered
-        finally:
-            if entered:
+            if refusal is None:
                 self._call = None
+
+
+def guarded(what: str, when_busy: Callable[..., None] | None = None) -> Callable[[Method], Method]:
+    """Decorate a method of an object with a `guard` (ThreadGuard): each call is one `call(what)`
+    with Ctrl-C held until it returns (engine_core.interrupts). When the engine is busy a second
+    caller gets EngineBusyError, or, given `when_busy`, that runs instead with the same arguments."""
+    def wrap(method: Method) -> Method:
+        @functools.wraps(method)
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with sigint_deferred(), self.guard.call(what, defer_if_busy=when_busy is not None) as entered:
+                return method(self, *args, **kwargs) if entered else when_busy(self, *args, **kwargs)
+        return run  # type: ignore[return-value]
+    return wrap

@@ -17,6 +17,8 @@ _repr = reprlib.Repr()
 _repr.maxstring = _repr.maxother = 40
 _repr.maxlist = _repr.maxtuple = 8
 
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
 
 def describe(value: Any) -> str:
     """A short repr plus the type: `'0.5' (str)`, `[1, 2, ...] (list)`."""
@@ -80,13 +82,10 @@ def check_choice(name: str, value: Any, choices: Iterable[str]) -> str:
     return value
 
 
-def check_int_list(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> list[int]:
-    """A list or tuple of ints in [lo, hi] (a str or bytes is not a list of ids)."""
+def check_int_list(name: str, value: Any, lo: int | None = None) -> list[int]:
+    """A list or tuple of ints >= lo (a str or bytes is not a list of ids)."""
     if not isinstance(value, (list, tuple)):
-        fail(name, f"a list of {_range_text('ints', lo, hi)}", value)
-    if all(type(t) is int for t in value) and (not value or (  # fast path: plain ints (a bool's type is bool)
-            (lo is None or min(value) >= lo) and (hi is None or max(value) <= hi))):
-        return list(value)
-    return [check_int(f"{name}[{i}]", item, lo, hi) for i, item in enumerate(value)]
-
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+        fail(name, f"a list of {_range_text('ints', lo, None)}", value)
+    if all(type(t) is int for t in value) and (lo is None or not value or min(value) >= lo):
+        return list(value)  # the common case, fast: plain ints (a bool's type is bool, not int)
+    return [check_int(f"{name}[{i}]", item, lo) for i, item in enumerate(value)]

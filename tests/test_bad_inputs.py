@@ -1,7 +1,8 @@
 """Every kind of bad input in docs/bad_inputs.md, each a case here with the same id: a ValueError
 naming the parameter (or the file and the field), raised before any state changes. After each
-request-level case the same engine is empty, its pool whole, and its next generate equals a
-fresh engine's; engine arguments and checkpoints fail before an engine exists.
+case a shared engine (the one the bad request went to, for request-level cases) is empty, its
+pool whole, and its next generate equals a fresh engine's; engine arguments and checkpoints fail
+before an engine exists.
 """
 from __future__ import annotations
 
@@ -255,14 +256,18 @@ def _fresh_output() -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("call,match", [c[1:] for c in REQUEST_CASES], ids=[c[0] for c in REQUEST_CASES])
-def test_bad_request_input(call, match):
+def _still_serves_like_a_fresh_engine() -> None:
     llm = _shared_llm()
-    with pytest.raises(ValueError, match=match):
-        call(llm)
     assert not llm.engine.has_unfinished_requests() and pool_is_whole(llm.engine)
     outs = llm.generate(CHECK_PROMPTS, SamplingParams(max_tokens=5, **GREEDY), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == _fresh_output()
+
+
+@pytest.mark.parametrize("call,match", [c[1:] for c in REQUEST_CASES], ids=[c[0] for c in REQUEST_CASES])
+def test_bad_request_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(_shared_llm())
+    _still_serves_like_a_fresh_engine()
 
 
 @pytest.mark.parametrize("kwargs,match", [c[1:] for c in ENGINE_CASES], ids=[c[0] for c in ENGINE_CASES])
@@ -270,6 +275,7 @@ def test_bad_engine_argument(kwargs, match):
     kwargs = {"model": "tiny-llama", **kwargs}
     with pytest.raises(ValueError, match=match):
         LLM(kwargs.pop("model"), **kwargs)
+    _still_serves_like_a_fresh_engine()  # a failed construction leaves no trace in another engine
 
 
 @pytest.mark.parametrize("edit,match", [c[1:] for c in CHECKPOINT_CASES], ids=[c[0] for c in CHECKPOINT_CASES])
@@ -278,6 +284,7 @@ def test_bad_checkpoint(tmp_path, edit, match):
     edit(folder)
     with pytest.raises(ValueError, match=match):
         LLM(str(folder), device="cpu", num_gpu_blocks=8)
+    _still_serves_like_a_fresh_engine()
 
 
 def test_weights_that_overflow_the_chosen_dtype(tmp_path):

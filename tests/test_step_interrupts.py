@@ -87,6 +87,19 @@ def test_interrupt_at_every_line_of_a_step():
             assert pool_is_whole(engine) and not engine.requests, where
 
 
+def test_interrupt_between_the_last_token_and_the_stop_check():
+    """Found by `make fuzz`: the token that meets max_tokens is appended, the stop check has not run.
+    The rollback finishes the request (reported by the next step) instead of computing one more."""
+    engine = LLMEngine.from_kwargs("tiny-llama", device="cpu", num_gpu_blocks=8)
+    request = engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2, **GREEDY))
+    engine.step()
+    with pytest.raises(KeyboardInterrupt), interrupt_at(0, {"Request.check_stop"}):
+        engine.step()
+    assert run_to_end(engine) == {"r": request.output_token_ids}
+    assert len(request.output_token_ids) == 2 and request.status.finish_reason == "length"
+    assert pool_is_whole(engine)
+
+
 def test_generate_interrupted_mid_step_aborts_its_requests_and_the_engine_serves_on():
     llm = LLM("tiny-llama", device="cpu", num_gpu_blocks=32, block_size=4)
     prompts = [[5, 6, 7], [9] * 11, [13, 14]]

@@ -306,10 +306,11 @@ class Scheduler:
         and cached KV stays cached (blocks are registered only after their KV is written); no request
         resumes from blocks the step may not have written (a swap-out planned but not copied, a
         swap-in not yet copied) or stays RUNNING with nothing left to compute. The order is kept:
-        running, swapped, requests a half-done move left in no queue, waiting. A request the step
-        finished stays finished, and appended tokens stay, so a greedy request ends with the tokens
-        of an uninterrupted run (a seeded one whose sampled token the step dropped draws again). The
-        price is recomputing every running request, paid only after a failure."""
+        running, swapped, requests a half-done move left in no queue, waiting. Appended tokens stay; a
+        request the step finished, or whose last token meets its stop condition, is finished; so
+        greedy and seeded requests (seeded draws depend only on seed and position) end with the tokens
+        of an uninterrupted run. The price is recomputing every running request, paid only after a
+        failure."""
         queued = [*self.running, *self.swapped]
         in_queue = {id(r) for r in [*queued, *self.waiting]}
         orphans = sorted((r for r in self.requests.values() if id(r) not in in_queue), key=lambda r: r.arrival_time)
@@ -325,6 +326,10 @@ class Scheduler:
             seen.add(rid)
             if request.is_finished:  # finished part-way through _finish
                 del self.requests[rid]
+                continue
+            status = request.check_stop(self.max_model_len)
+            if status is not None:  # its last token was appended, the stop check did not run
+                self._finish(request, status)
                 continue
             if request.status != RequestStatus.WAITING:
                 request.status = RequestStatus.PREEMPTED

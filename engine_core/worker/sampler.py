@@ -9,8 +9,6 @@ same position gives the same token). Unseeded rows share one engine generator.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from engine_core.request import Request
@@ -26,10 +24,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits `[len(requests), vocab]` (fp32) -> one token id per request, INVALID_TOKEN for a row
-        with a NaN or +inf logit (argmax would silently pick such an entry; -inf is a masked token)."""
+        with a NaN or +inf logit, or no finite one (argmax would silently pick such an entry). The
+        check is free: max propagates NaN, and its indices are argmax's."""
         params = [r.sampling_params for r in requests]
-        invalid = (logits < math.inf).all(dim=-1).logical_not_()  # NaN < inf is False too
-        greedy = logits.argmax(dim=-1)
+        top, greedy = logits.max(dim=-1)
+        invalid = ~top.isfinite()
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=logits.device)
@@ -39,8 +38,8 @@ class Sampler:
                                    [params[i].top_p for i in sampled_rows])
             probs = x.softmax(dim=-1)
             noise = self._exponential_noise([requests[i] for i in sampled_rows], x.shape[1]).to(logits.device)
-            greedy[rows] = (probs / noise).argmax(dim=-1)
-            invalid[rows] |= probs.isnan().any(dim=-1)  # logits / T overflowed
+            score, greedy[rows] = (probs / noise).max(dim=-1)
+            invalid[rows] |= score.isnan()  # logits / T overflowed
         return greedy.masked_fill_(invalid, INVALID_TOKEN).tolist()
 
     def _exponential_noise(self, requests: list[Request], vocab_size: int) -> torch.Tensor:
