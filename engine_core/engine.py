@@ -117,10 +117,11 @@ class LLMEngine:
         self._abort(_checked_id(request_id))
 
     def _abort(self, request_id: str) -> None:
-        if self.requests.pop(request_id, None) is not None:
+        if request_id in self.requests:  # forgotten last, so a half-done abort is finished by a later step
             self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
             self.runner.remove_requests([request_id])
             self.num_aborted += 1
+            del self.requests[request_id]
 
     def _apply_pending_aborts(self) -> None:
         while self._pending_aborts:
