@@ -138,6 +138,8 @@ ENGINE_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("dtype-unknown", dict(dtype="float64"), r"dtype must be one of \('auto', 'float32', 'float16', 'bfloat16'\)"),
     ("kv-cache-memory-bytes-float", dict(kv_cache_memory_bytes=1.5e9), r"kv_cache_memory_bytes must be None or an int >= 1, got 1500000000.0"),
     ("num-gpu-blocks-zero", dict(num_gpu_blocks=0), r"num_gpu_blocks must be None or an int >= 1, got 0"),
+    ("kv-cache-beyond-memory", dict(device="cpu", kv_cache_memory_bytes=2**50),
+     r"cannot allocate the KV cache: 137438953472 blocks of 8192 bytes on cpu .*lower num_gpu_blocks, kv_cache_memory_bytes"),
     ("prefill-flops-nan", dict(prefill_flops_per_s=math.nan), r"prefill_flops_per_s must be None or a finite number > 0, got nan"),
     ("max-model-len-beyond-checkpoint", dict(max_model_len=4096), "max_model_len must be <= the checkpoint's max_position_embeddings=2048"),
     ("unknown-engine-argument", dict(max_seqs=4), r"unknown engine argument\(s\) \['max_seqs'\]"),

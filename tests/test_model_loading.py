@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from engine_helpers import one_torch_thread  # noqa: F401 - a fixture
+from engine_helpers import one_torch_thread
 from safetensors.torch import load_file, save_file
 
 from engine_core import LLM, SamplingParams
@@ -156,8 +156,9 @@ def test_max_model_len_beyond_the_checkpoint_is_refused():
         LLM("tiny-llama", max_model_len=4096, num_gpu_blocks=8)
 
 
+@pytest.mark.usefixtures(one_torch_thread.__name__)
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-llama-bias"])
-def test_the_checked_shapes_are_the_tensors_the_decoder_reads(tmp_path, monkeypatch, one_torch_thread, name):
+def test_the_checked_shapes_are_the_tensors_the_decoder_reads(tmp_path, monkeypatch, name):
     """check_weights compares config.json with the headers using LlamaArgs.weight_shapes: it must
     name exactly the tensors models/llama.py reads, with the shapes they have."""
     from engine_core.models.config import ModelConfig

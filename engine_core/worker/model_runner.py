@@ -109,7 +109,13 @@ class ModelRunner:
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate the KV tensors and, on CUDA unless enforce_eager, set up decode CUDA graphs."""
-        self.kv_cache = self._new_kv_cache(kv_cache_config.num_gpu_blocks, kv_cache_config.num_cpu_blocks)
+        c = kv_cache_config
+        try:
+            self.kv_cache = self._new_kv_cache(c.num_gpu_blocks, c.num_cpu_blocks)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise ValueError(f"cannot allocate the KV cache: {c.num_gpu_blocks} blocks of {c.block_bytes} bytes on "
+                             f"{self.device} and {c.num_cpu_blocks} in the CPU swap pool ({e}); lower num_gpu_blocks, "
+                             f"kv_cache_memory_bytes, gpu_memory_utilization or swap_space") from None
         engine = self.config.engine
         if self.device.type == "cuda" and not engine.enforce_eager:
             self.cuda_graphs = DecodeGraphs(self.model, self.kv_cache, engine.max_num_seqs,
