@@ -251,7 +251,6 @@ def check_weights(folder: Path, args: LlamaArgs) -> None:
     silently and compute something else. Errors name the tensor, its file and the config field."""
     infos = read_tensor_infos(folder)
     expected = args.weight_shapes()
-    fields = {"model.embed_tokens.weight": "vocab_size, hidden_size", "lm_head.weight": "vocab_size, hidden_size"}
     for name, shape in expected.items():
         info = infos.get(name)
         if info is None:
@@ -261,9 +260,8 @@ def check_weights(folder: Path, args: LlamaArgs) -> None:
             raise ValueError(f"checkpoint {str(folder)!r} ({', '.join(files)}) is missing tensor {name!r}")
         check_float_dtype(name, info)
         if info.shape != shape:
-            why = fields.get(name, "hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim")
             raise ValueError(f"tensor {name!r} in {str(info.file)!r} has shape {list(info.shape)}, but config.json "
-                             f"({why}) implies {list(shape)}")
+                             f"({_shape_fields(name)}) implies {list(shape)}")
     extra = sorted(n for n in infos if n not in expected and not n.endswith("rotary_emb.inv_freq"))
     if extra:
         layers = sorted({int(n.split(".")[2]) for n in extra if n.startswith("model.layers.")
@@ -274,3 +272,16 @@ def check_weights(folder: Path, args: LlamaArgs) -> None:
         raise ValueError(f"checkpoint {str(folder)!r} has tensors the model would ignore: {extra[:4]}"
                          f"{' ...' if len(extra) > 4 else ''} (check config.json's attention_bias, mlp_bias, "
                          f"architectures)")
+
+
+def _shape_fields(tensor_name: str) -> str:
+    """The config.json fields a tensor's shape follows from."""
+    if tensor_name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return "vocab_size, hidden_size"
+    if any(p in tensor_name for p in ("q_proj", "o_proj")):
+        return "num_attention_heads, head_dim, hidden_size"
+    if any(p in tensor_name for p in ("k_proj", "v_proj")):
+        return "num_key_value_heads, head_dim, hidden_size"
+    if any(p in tensor_name for p in ("q_norm", "k_norm")):
+        return "head_dim"
+    return "intermediate_size, hidden_size" if ".mlp." in tensor_name else "hidden_size"
