@@ -106,15 +106,17 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, vocab_size={self.vocab_size}), got {bad}")
         return text, token_ids
 
-    def _queue_abort(self, request_id: str) -> None:
-        self._pending_aborts.append(_checked_id(request_id))
+    def _queue_abort(self, request_id: str | list[str]) -> None:
+        self._pending_aborts.extend(_checked_ids(request_id))
 
     @guarded("abort_request()", when_busy=_queue_abort)
-    def abort_request(self, request_id: str) -> None:
-        """Finish the request as aborted and free its blocks; unknown or finished ids are ignored, and
-        no output is returned for it. Safe from any thread: while the engine is busy (a step in another
-        thread, or a call from inside a step) the abort is queued and applied when the step ends."""
-        self._abort(_checked_id(request_id))
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Finish the request(s) as aborted and free their blocks; unknown or finished ids are ignored,
+        and no output is returned for them. Safe from any thread: while the engine is busy (a step in
+        another thread, or a call from inside a step) the aborts are queued and applied when the step
+        ends."""
+        for rid in _checked_ids(request_id):
+            self._abort(rid)
 
     def _abort(self, request_id: str) -> None:
         if request_id in self.requests:  # forgotten last, so a half-done abort is finished by a later step
@@ -207,7 +209,9 @@ class LLMEngine:
         return self.scheduler.make_stats().to_prometheus()
 
 
-def _checked_id(request_id: Any) -> str:
-    if not isinstance(request_id, str):
-        fail("request_id", "a str", request_id)
-    return request_id
+def _checked_ids(request_id: Any) -> list[str]:
+    """vLLM's abort_request argument: one id or a list (tuple, set) of ids."""
+    ids = [request_id] if isinstance(request_id, str) else request_id
+    if not isinstance(ids, (list, tuple, set)) or not all(isinstance(r, str) for r in ids):
+        fail("request_id", "a str or a list of str", request_id)
+    return list(ids)

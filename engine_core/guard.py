@@ -91,3 +91,15 @@ def guarded(what: str, when_busy: Callable[..., None] | None = None) -> Callable
                 return method(self, *args, **kwargs) if entered else when_busy(self, *args, **kwargs)
         return run  # type: ignore[return-value]
     return wrap
+
+
+def guarded_session(what: str) -> Callable[[Method], Method]:
+    """Decorate a method of an object with a `guard` (ThreadGuard): the whole call is one
+    `session(what)`, so other threads cannot step the engine until it returns."""
+    def wrap(method: Method) -> Method:
+        @functools.wraps(method)
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with self.guard.session(what):
+                return method(self, *args, **kwargs)
+        return run  # type: ignore[return-value]
+    return wrap

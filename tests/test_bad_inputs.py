@@ -109,7 +109,7 @@ REQUEST_CASES: list[tuple[str, Callable[[LLM], Any], str]] = [
     ("priority-str", _add(priority="high"), r"priority must be an int \(lower = served first\), got 'high'"),
     ("priority-float", _add(priority=1.5), r"priority must be an int .*got 1.5"),
     ("arrival-time-nan", _add(arrival_time=math.nan), r"arrival_time must be None or a finite number, got nan"),
-    ("abort-id-not-str", lambda llm: llm.engine.abort_request(["gen-0"]), r"request_id must be a str, got \['gen-0'\]"),
+    ("abort-id-not-str", lambda llm: llm.engine.abort_request(7), r"request_id must be a str or a list of str, got 7 \(int\)"),
 ]
 
 ENGINE_CASES: list[tuple[str, dict[str, Any], str]] = [

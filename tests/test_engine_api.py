@@ -104,6 +104,16 @@ def test_abort_frees_blocks_running_and_waiting():
     assert engine.stats()["num_finished_requests"] == 2
 
 
+def test_abort_takes_a_list_of_ids_as_in_vllm():
+    engine = _engine()
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, [5, 6, 7], SamplingParams(max_tokens=4, **GREEDY))
+    engine.step()
+    engine.abort_request(["a", "c", "unknown"])
+    assert list(engine.requests) == ["b"] and list(_run(engine)) == ["b"]
+    assert _pool_is_whole(engine) and engine.stats()["num_finished_requests"] == 3
+
+
 def test_abort_mid_workload_leaves_others_intact():
     engine = _engine()
     for i in range(4):

@@ -109,6 +109,7 @@ def test_generate_interrupted_mid_step_aborts_its_requests_and_the_engine_serves
         with pytest.raises(KeyboardInterrupt), interrupt_at(event, outside=ADDING):
             llm.generate(prompts, params, use_tqdm=False)
         assert not llm.engine.has_unfinished_requests() and pool_is_whole(llm.engine), event
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, event  # Ctrl-C works again
         again = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in fresh]
 

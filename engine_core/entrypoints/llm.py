@@ -8,7 +8,7 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from engine_core.engine import LLMEngine
-from engine_core.interrupts import sigint_deferred
+from engine_core.guard import ThreadGuard, guarded_session
 from engine_core.prompts import PromptType, as_prompt_list
 from engine_core.request import Request, RequestOutput, SamplingParams
 from engine_core.validation import fail
@@ -46,28 +46,33 @@ class LLM:
         time: a second, concurrent or from inside a step, gets EngineBusyError."""
         prompt_list = as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
-        ids = [f"gen-{next(self._ids)}" for _ in prompt_list]
-        added: dict[str, tuple[Request, str | None]] = {}  # id -> (request, prompt text)
-        done: dict[str, RequestOutput] = {}
-        with self.engine.guard.session("LLM.generate()"):
-            try:
-                for i, (rid, prompt, sp) in enumerate(zip(ids, prompt_list, params)):
-                    try:
-                        request = self.engine.add_request(rid, prompt, sp)
-                    except ValueError as e:
-                        raise ValueError(f"prompt {i}: {e}") from e
-                    added[rid] = (request, self.engine.requests[rid][1])
-                self._run(added, done, use_tqdm)
-            finally:
-                with sigint_deferred():  # a second Ctrl-C must not cut the clean-up short
-                    for rid in ids:  # all of them: an interrupt may land between add_request and `added`
-                        if rid not in done:
-                            self.engine.abort_request(rid)
-        outputs = [done[rid] for rid in ids]
+        outputs = self._generate(prompt_list, params, use_tqdm)
         failed = [i for i, out in enumerate(outputs) if out.outputs[0].finish_reason == "error"]
         if failed:
             raise GenerationError(outputs, failed)
         return outputs
+
+    @property
+    def guard(self) -> ThreadGuard:
+        return self.engine.guard
+
+    @guarded_session("LLM.generate()")
+    def _generate(self, prompts: list[PromptType], params: list[SamplingParams],
+                  use_tqdm: bool) -> list[RequestOutput]:
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        added: dict[str, tuple[Request, str | None]] = {}  # id -> (request, prompt text)
+        done: dict[str, RequestOutput] = {}
+        try:
+            for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, params)):
+                try:
+                    request = self.engine.add_request(rid, prompt, sp)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from e
+                added[rid] = (request, self.engine.requests[rid][1])
+            self._run(added, done, use_tqdm)
+        finally:  # all of them: an interrupt may land between add_request and `added`
+            self.engine.abort_request([rid for rid in ids if rid not in done])  # holds Ctrl-C itself
+        return [done[rid] for rid in ids]
 
     def _run(self, added: dict[str, tuple[Request, str | None]], done: dict[str, RequestOutput],
              use_tqdm: bool) -> None:
