@@ -105,17 +105,27 @@ def test_generate_interrupted_mid_step_aborts_its_requests_and_the_engine_serves
     prompts = [[5, 6, 7], [9] * 11, [13, 14]]
     params = SamplingParams(max_tokens=6, **GREEDY)
     fresh = LLM("tiny-llama", device="cpu", num_gpu_blocks=32, block_size=4).generate(prompts, params, use_tqdm=False)
+    handler = signal.getsignal(signal.SIGINT)
     for event in (3, 40, 400, 1200):  # in generate's loop, in a step, deep in the forward
         with pytest.raises(KeyboardInterrupt), interrupt_at(event, outside=ADDING):
             llm.generate(prompts, params, use_tqdm=False)
         assert not llm.engine.has_unfinished_requests() and pool_is_whole(llm.engine), event
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, event  # Ctrl-C works again
+        assert signal.getsignal(signal.SIGINT) is handler, event  # Ctrl-C works as before
         again = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in fresh]
 
 
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler, whatever this process inherited (a job started with `&` from a
+    script ignores SIGINT, and Python then leaves it ignored)."""
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, inherited)
+
+
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="SIGINT needs the main thread")
-def test_real_ctrl_c_is_held_until_the_step_ends():
+def test_real_ctrl_c_is_held_until_the_step_ends(default_sigint):
     engine, requests = _engine()
     forward = engine.runner._forward
 
