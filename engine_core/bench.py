@@ -4,7 +4,7 @@
     python -m engine_core.bench --model small-llama --num-requests 64 --input-len 16:512 \
         --output-len 16:256 --seed 0
 
-The baseline is what a user without an engine would write (DESIGN.md section 6): prompts in
+The baseline is what a user without an engine would write (the strongest baseline a user could reasonably write): prompts in
 arrival order, static batches of up to B, left padding, max_new_tokens = the batch's longest
 output, each output cut to its own length; every B in --hf-batch-sizes is tried and the best
 reported. Both sides count output tokens/s the same way: the sum of requested output lengths

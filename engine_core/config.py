@@ -17,7 +17,7 @@ from kernels.reference import FP8_DTYPE
 
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
 _KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
-_ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 _DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -52,8 +52,13 @@ class EngineConfig:
     swap_bandwidth_bytes_per_s: float | None = None
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
+    # Multi-LoRA (engine_core/lora): max_loras GPU slots, ranks up to max_lora_rank, a host cache of
+    # max_cpu_loras loaded adapters (None: max_loras). Like vLLM, the three are accepted and ignored
+    # without enable_lora; a request with a lora_request is then an error.
+    enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     tensor_parallel_size: int = 1
     device: str = "auto"
     dtype: str = "auto"
@@ -83,8 +88,12 @@ class EngineConfig:
         for name in ("prefill_flops_per_s", "swap_bandwidth_bytes_per_s"):
             setattr(self, name, check_real(name, getattr(self, name), 0.0, lo_open=True, optional=True))
         self.kv_cache_dtype = check_choice("kv_cache_dtype", self.kv_cache_dtype, _KV_CACHE_DTYPES)
-        _need(isinstance(self.max_loras, int) and self.max_loras >= 1, "max_loras", "an int >= 1", self.max_loras)
-        _need(isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1, "max_lora_rank", "an int >= 1", self.max_lora_rank)
+        self.enable_lora = check_bool("enable_lora", self.enable_lora)
+        self.max_loras = check_int("max_loras", self.max_loras, 1, hint="GPU slots: distinct adapters running at once")
+        self.max_lora_rank = check_int("max_lora_rank", self.max_lora_rank, 1)
+        self.max_cpu_loras = check_int("max_cpu_loras", self.max_cpu_loras, self.max_loras, optional=True,
+                                       hint=f"max_loras={self.max_loras}: the host cache holds every slot's adapter; "
+                                            f"None = max_loras")
         self.tensor_parallel_size = check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: the engine runs "

@@ -23,6 +23,8 @@ from engine_core.config import EngineConfig, KVCacheConfig, ResolvedConfig
 from engine_core.core.cost_model import PreemptionCostModel
 from engine_core.core.scheduler import Scheduler
 from engine_core.guard import ThreadGuard, guarded
+from engine_core.lora.adapter import LoRAAdapter
+from engine_core.lora.request import LoRARequest
 from engine_core.metrics import StepInfo
 from engine_core.models.config import ModelConfig
 from engine_core.prompts import PromptType, parse_prompt
@@ -61,8 +63,10 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------
     @guarded("add_request()")
     def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> Request:
-        """Validate, then queue. Raises ValueError naming the parameter; nothing changes on error.
+                    priority: int = 0, arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> Request:
+        """Validate, then queue. Raises ValueError naming the parameter; nothing changes on error (an
+        adapter is read and checked first, and joins the host cache only with its queued request).
         `sampling_params` is checked again and copied: changing it later does not reach this request."""
         self._apply_pending_aborts()
         if not isinstance(request_id, str) or not request_id:
@@ -79,14 +83,38 @@ class LLMEngine:
         if len(token_ids) + 1 > limit:
             raise ValueError(f"prompt has {len(token_ids)} tokens; with the first generated token it must fit "
                              f"max_model_len={limit}, so at most {limit - 1} prompt tokens are allowed")
+        adapter = self._check_lora(lora_request)
         eos = self.model_config.eos_token_ids
         if not params.ignore_eos and len(eos) > 1:  # extra EOS ids stop like stop tokens
             params.stop_token_ids += list(eos[1:])
         request = Request(request_id, token_ids, params, eos_token_id=eos[0] if eos else None,
-                          arrival_time=arrival_time, priority=priority)
+                          arrival_time=arrival_time, priority=priority,
+                          lora_id=None if adapter is None else adapter.lora_int_id)
         self.scheduler.add_request(request)  # may reject (never fits the KV cache) before queuing
+        if adapter is not None:
+            self.runner.lora.remember(lora_request, adapter)
         self.requests[request_id] = (request, text)
         return request
+
+    @guarded("add_lora()")
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """vLLM's `add_lora`: check an adapter folder and load it into the host cache ahead of its requests."""
+        if not isinstance(lora_request, LoRARequest):
+            fail("lora_request", "a LoRARequest", lora_request)
+        self.runner.lora.remember(lora_request, self._check_lora(lora_request))
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
+        """The adapter, read and checked (engine_core.lora.adapter) but not yet remembered: a request
+        rejected after this leaves the LoRA state as it was."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            fail("lora_request", "a LoRARequest or None", lora_request)
+        if self.runner.lora is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r} given, but the engine was built with "
+                             f"enable_lora=False; pass enable_lora=True (with max_loras, max_lora_rank) to serve "
+                             f"adapters")
+        return self.runner.lora.check(lora_request)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids in [0, vocab_size))."""
@@ -184,10 +212,10 @@ class LLMEngine:
 
     def _recover(self) -> None:
         """After a step raised part-way: every unfinished request requeued to be recomputed, holding no
-        blocks (Scheduler.requeue_for_recompute), the runner's block tables forgotten to match, and the
-        requests the step finished but did not report left for the next step to report."""
+        blocks (Scheduler.requeue_for_recompute), the runner's block tables and adapter slots forgotten to
+        match, and the requests the step finished but did not report left for the next step to report."""
         self.scheduler.requeue_for_recompute()
-        self.runner.remove_requests(list(self.runner.input_batch.row_of))
+        self.runner.forget_all_requests()
         self.scheduler.counters.num_failed_steps += 1
         self._report_stragglers = True
 

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 PRESET_VERSION = 2  # bump when a preset's files change: it names the cache folder
 VOCAB_SPECIALS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2; the 256 byte symbols follow
@@ -85,15 +85,21 @@ def preset_path(name: str) -> Path:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
     target = cache_root() / "presets" / f"{name}-v{PRESET_VERSION}"
-    if (target / "config.json").is_file():
+    return build_once(target, "config.json", lambda out: build_preset(name, out))
+
+
+def build_once(target: Path, marker: str, build: Callable[[Path], None]) -> Path:
+    """`target`, built by `build(folder)` unless it already holds `marker`; under a file lock, into a
+    temporary folder renamed at the end, so concurrent callers never see a half-written folder."""
+    if (target / marker).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{name}.lock", "w") as lock:
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "config.json").is_file():
-            tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}-"))
+        if not (target / marker).is_file():
+            tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
             try:
-                build_preset(name, tmp)
+                build(tmp)
                 shutil.rmtree(target, ignore_errors=True)
                 os.rename(tmp, target)
             finally:

@@ -1,26 +1,50 @@
-"""Attention and cache ops with one contract and two backends.
+"""Attention, cache and multi-LoRA ops with one contract and three backends.
 
-CUDA tensors go to the Triton kernels, CPU tensors to the PyTorch reference, unless the
-backend is forced: `backend="triton"` / `"torch"` on a call, or `KERNELS_BACKEND=triton|torch`
-in the environment (the default for `backend="auto"`). Triton on CPU tensors runs under the
-interpreter, which needs `TRITON_INTERPRET=1` set before triton is imported. triton itself is
-imported only when a Triton op first runs, so `import kernels` stays cheap.
+- `torch`: the PyTorch reference (`kernels.reference`), the semantics every other backend is
+  tested against;
+- `cpu`: C kernels for CPU tensors (`kernels.cpu`: decode attention read in place, the cache
+  write), built with the system compiler on first use; cases they do not cover run the reference;
+- `triton`: the Triton kernels (CUDA, or CPU tensors under the interpreter).
+The multi-LoRA ops (SGMV / BGMV, contracts in `kernels.lora_reference`) have a reference and a Triton
+version; the `cpu` backend runs their reference.
+
+`auto` picks `triton` for CUDA tensors and `cpu` for CPU ones (`torch` if the C kernels cannot
+be built: a warning says why). A call or `KERNELS_BACKEND=torch|cpu|triton` in the environment
+(the default for `auto`) can force one. Triton on CPU tensors runs under the interpreter, which
+needs `TRITON_INTERPRET=1` set before triton is imported; triton itself is imported only when a
+Triton op first runs, so `import kernels` stays cheap.
+
+`attention_ops(backend, device)` resolves a backend once and returns its three functions: the
+model calls it once per step, not once per layer and op.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from kernels import reference
+from kernels import lora_reference, reference
 
-__all__ = ["paged_attention", "paged_attention_decode", "reshape_and_cache", "resolve_backend"]
+__all__ = ["AttentionOps", "attention_ops", "bgmv_expand", "bgmv_shrink", "paged_attention", "paged_attention_decode",
+           "reshape_and_cache", "resolve_backend", "sgmv_expand", "sgmv_shrink"]
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "cpu", "triton")
+
+
+@dataclass(frozen=True)
+class AttentionOps:
+    """One backend's ops, with `kernels.reference`'s signatures (positional arguments only)."""
+
+    backend: str
+    reshape_and_cache: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+    paged_attention_decode: Callable[..., torch.Tensor]
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """'torch' or 'triton' for tensors on `device`; raises before any work if Triton cannot run."""
+    """'torch', 'cpu' or 'triton' for tensors on `device`; raises before any work if it cannot run."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -28,7 +52,16 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         if backend not in BACKENDS:
             raise ValueError(f"KERNELS_BACKEND must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return "triton"
+        from kernels import cpu
+        return "cpu" if cpu.load() is not None else "torch"
+    if backend == "cpu":
+        if device.type != "cpu":
+            raise RuntimeError(f"the cpu backend got {device.type} tensors; use backend='triton' or 'torch'")
+        from kernels import cpu
+        if cpu.load() is None:
+            raise RuntimeError(f"the cpu backend's C kernels could not be built: {cpu.load_error()}")
     interpret = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
     if backend == "triton" and device.type != "cuda" and not interpret:
         raise RuntimeError(f"the Triton backend got {device.type} tensors: set TRITON_INTERPRET=1 in the environment "
@@ -36,16 +69,28 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def attention_ops(backend: str, device: torch.device) -> AttentionOps:
+    """The ops of `backend` for tensors on `device`. The Triton functions are looked up in their modules
+    at each call of this function, so a replaced module attribute (lab 06's seam) takes effect."""
+    resolved = resolve_backend(backend, device)
+    if resolved == "torch":
+        return AttentionOps(resolved, reference.reshape_and_cache, reference.paged_attention,
+                            reference.paged_attention_decode)
+    if resolved == "cpu":
+        from kernels import cpu
+        return AttentionOps(resolved, cpu.reshape_and_cache, cpu.paged_attention, cpu.paged_attention_decode)
+    from kernels.triton import cache, decode_attention, prefill_attention
+    return AttentionOps(resolved, cache.reshape_and_cache, prefill_attention.paged_attention,
+                        decode_attention.paged_attention_decode)
+
+
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, kv_cache_dtype: str = "auto",
                       k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0, *,
                       backend: str = "auto") -> None:
     """Write key/value `[num_tokens, num_kv_heads, head_dim]` into the paged caches at `slot_mapping`."""
-    if resolve_backend(backend, key.device) == "torch":
-        return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
-                                           k_scale, v_scale)
-    from kernels.triton.cache import reshape_and_cache as triton_op
-    return triton_op(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
+    attention_ops(backend, key.device).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                                         kv_cache_dtype, k_scale, v_scale)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -53,11 +98,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     scale: float, k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0, *,
                     backend: str = "auto") -> torch.Tensor:
     """Varlen causal attention over paged KV (prefill chunks and decode rows alike)."""
-    if resolve_backend(backend, query.device) == "torch":
-        return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                         scale, k_scale, v_scale)
-    from kernels.triton.prefill_attention import paged_attention as triton_op
-    return triton_op(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, k_scale, v_scale)
+    return attention_ops(backend, query.device).paged_attention(query, key_cache, value_cache, block_tables,
+                                                                seq_lens, query_start_loc, scale, k_scale, v_scale)
 
 
 def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -65,8 +107,42 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
                            num_splits: int = 1, *, backend: str = "auto") -> torch.Tensor:
     """One query row per sequence over its whole context; `num_splits > 1` is flash-decoding."""
-    if resolve_backend(backend, query.device) == "torch":
-        return reference.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                                k_scale, v_scale, num_splits)
-    from kernels.triton.decode_attention import paged_attention_decode as triton_op
-    return triton_op(query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, num_splits)
+    return attention_ops(backend, query.device).paged_attention_decode(query, key_cache, value_cache, block_tables,
+                                                                       seq_lens, scale, k_scale, v_scale, num_splits)
+
+
+# ---- multi-LoRA (Punica's SGMV / BGMV; contracts in kernels.lora_reference) ------------------------------
+def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, row_slots: torch.Tensor, *,
+                backend: str = "auto") -> torch.Tensor:
+    """t[i] = x[i] @ lora_a[row_slots[i]].T in float32 (0 where the slot is -1): decode rows."""
+    if resolve_backend(backend, x.device) != "triton":
+        return lora_reference.bgmv_shrink(x, lora_a, row_slots)
+    from kernels.triton.lora import bgmv_shrink as triton_op
+    return triton_op(x, lora_a, row_slots)
+
+
+def bgmv_expand(y: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, row_slots: torch.Tensor,
+                scaling: torch.Tensor, *, backend: str = "auto") -> None:
+    """y[i] += scaling[s] * t[i] @ lora_b[s].T for s = row_slots[i] >= 0, in place: decode rows."""
+    if resolve_backend(backend, y.device) != "triton":
+        return lora_reference.bgmv_expand(y, t, lora_b, row_slots, scaling)
+    from kernels.triton.lora import bgmv_expand as triton_op
+    return triton_op(y, t, lora_b, row_slots, scaling)
+
+
+def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_starts: torch.Tensor, seg_slots: torch.Tensor,
+                max_seg_len: int, *, backend: str = "auto") -> torch.Tensor:
+    """bgmv_shrink for segments of rows sharing a slot (rows seg_starts[j]:seg_starts[j+1]): prefill chunks."""
+    if resolve_backend(backend, x.device) != "triton":
+        return lora_reference.sgmv_shrink(x, lora_a, seg_starts, seg_slots, max_seg_len)
+    from kernels.triton.lora import sgmv_shrink as triton_op
+    return triton_op(x, lora_a, seg_starts, seg_slots, max_seg_len)
+
+
+def sgmv_expand(y: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, seg_starts: torch.Tensor,
+                seg_slots: torch.Tensor, max_seg_len: int, scaling: torch.Tensor, *, backend: str = "auto") -> None:
+    """bgmv_expand for segments of rows sharing a slot: prefill chunks."""
+    if resolve_backend(backend, y.device) != "triton":
+        return lora_reference.sgmv_expand(y, t, lora_b, seg_starts, seg_slots, max_seg_len, scaling)
+    from kernels.triton.lora import sgmv_expand as triton_op
+    return triton_op(y, t, lora_b, seg_starts, seg_slots, max_seg_len, scaling)

@@ -33,8 +33,9 @@ def one_torch_thread() -> Iterator[None]:
 
 def check_engine(engine: LLMEngine) -> None:
     """Scheduler invariants (sched_helpers.check_invariants), plus the runner and the engine agree
-    with the scheduler: the runner holds block-table rows only for running requests, every request
-    the scheduler knows is one the engine will report, and the step's budget was kept."""
+    with the scheduler: the runner holds block-table rows (and adapter pins) only for running
+    requests, every request the scheduler knows is one the engine will report, the step's budget
+    was kept, and with LoRA at most max_loras distinct adapters run and the slot pool is whole."""
     sched = engine.scheduler
     check_invariants(sched)
     running = {r.request_id for r in sched.running}
@@ -42,6 +43,15 @@ def check_engine(engine: LLMEngine) -> None:
     assert set(sched.requests) <= set(engine.requests)
     step = engine.last_step
     assert step.num_prefill_tokens + step.num_decode_tokens <= engine.config.max_num_batched_tokens
+    lora = engine.runner.lora
+    if lora is not None:  # only running requests pin adapters; the slot rule; each slot is held or free, once
+        assert set(lora.request_lora) <= running, (lora.request_lora, running)
+        adapters = {r.lora_id for r in sched.running if r.lora_id is not None}
+        assert len(adapters) <= engine.config.engine.max_loras, adapters
+        held = list(lora.slots.slot_of.values())
+        assert sorted(held + lora.slots.free_slots) == list(range(lora.slots.num_slots)), (lora.slots.slot_of,
+                                                                                          lora.slots.free_slots)
+        assert set(lora.slots.slot_of) <= set(lora.known)
 
 
 def pool_is_whole(engine: LLMEngine) -> bool:

@@ -20,7 +20,8 @@ import torch
 from engine_helpers import one_torch_thread, pool_is_whole
 from safetensors.torch import load_file, save_file
 
-from engine_core import LLM, SamplingParams
+from engine_core import LLM, LoRARequest, SamplingParams
+from engine_core.lora.presets import adapter_path
 from engine_core.presets import preset_path
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
@@ -110,6 +111,8 @@ REQUEST_CASES: list[tuple[str, Callable[[LLM], Any], str]] = [
     ("priority-float", _add(priority=1.5), r"priority must be an int .*got 1.5"),
     ("arrival-time-nan", _add(arrival_time=math.nan), r"arrival_time must be None or a finite number, got nan"),
     ("abort-id-not-str", lambda llm: llm.engine.abort_request(7), r"request_id must be a str or a list of str, got 7 \(int\)"),
+    ("lora-without-enable-lora", _add(lora_request=LoRARequest("a", 1, "/x")),
+     r"lora_request 'a' given, but the engine was built with enable_lora=False; pass enable_lora=True"),
 ]
 
 ENGINE_CASES: list[tuple[str, dict[str, Any], str]] = [
@@ -145,6 +148,12 @@ ENGINE_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("unknown-engine-argument", dict(max_seqs=4), r"unknown engine argument\(s\) \['max_seqs'\]"),
     ("model-none", dict(model=None), r"model must be a preset name or a model folder, got None"),
     ("model-unknown", dict(model="no-such-model"), "model must be an existing checkpoint folder or one of the presets"),
+    ("enable-lora-str", dict(enable_lora="yes"), r"enable_lora must be True or False, got 'yes' \(str\)"),
+    ("max-loras-zero", dict(enable_lora=True, max_loras=0), r"max_loras must be an int >= 1 \(GPU slots: .*\), got 0"),
+    ("max-loras-bool", dict(enable_lora=True, max_loras=True), r"max_loras must be an int >= 1 .*got True \(bool\)"),
+    ("max-lora-rank-str", dict(enable_lora=True, max_lora_rank="16"), r"max_lora_rank must be an int >= 1, got '16' \(str\)"),
+    ("max-cpu-loras-below-max-loras", dict(enable_lora=True, max_loras=4, max_cpu_loras=2),
+     r"max_cpu_loras must be None or an int >= 4 \(max_loras=4: the host cache holds every slot's adapter; .*got 2"),
 ]
 
 
@@ -242,6 +251,87 @@ CHECKPOINT_CASES: list[tuple[str, Callable[[Path], None], str]] = [
     ("tokenizer-json-malformed", _write("tokenizer.json", "{not json"), r"its tokenizer files .* cannot be loaded"),
 ]
 
+
+# LoRA: requests to an engine with enable_lora=True, max_loras=2, max_lora_rank=8, and adapter
+# folders broken in a copy of the r8-attn preset. A rejected adapter joins neither the host cache
+# nor the known ids (`LoRAManager.check` reads, `remember` keeps only with a queued request).
+def _lora(name: str = "r8-attn") -> str:
+    return str(adapter_path("tiny-llama", name))
+
+
+def _add_lora(request: Any, prompts: Any = None) -> Callable[[LLM], Any]:
+    if prompts is not None:
+        return lambda llm: llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False, lora_request=request)
+    return lambda llm: llm.engine.add_request("x", [5, 6], lora_request=request)
+
+
+def _lora_request(**kw: Any) -> Callable[[LLM], Any]:
+    return lambda llm: LoRARequest(**{"lora_name": "a", "lora_int_id": 1, "lora_path": _lora(), **kw})
+
+
+def _id_reused(llm: LLM) -> None:
+    llm.engine.add_lora(LoRARequest("a", 1, _lora()))  # known already after the first check: fine again
+    llm.engine.add_request("x", [5], lora_request=LoRARequest("b", 1, _lora("r4-mlp")))
+
+
+LORA_CASES: list[tuple[str, Callable[[LLM], Any], str]] = [
+    ("lora-request-str", _add_lora(_lora()), r"lora_request must be a LoRARequest or None, got '/.*' \(str\)"),
+    ("lora-request-int-in-list", _add_lora([LoRARequest("a", 1, _lora()), 7], [[5], [6]]),
+     r"prompt 1: lora_request must be a LoRARequest or None, got 7 \(int\)"),
+    ("lora-request-count", _add_lora([None], [[5], [6]]), r"lora_request must be one LoRARequest, None, or a list of 2 "
+                                                          r"\(one per prompt\), got 1"),
+    ("lora-request-dict", _add_lora({"lora_path": _lora()}, [[5]]),
+     r"lora_request must be a LoRARequest, a list of them .* or None, got \{'lora_path'"),
+    ("lora-name-empty", _lora_request(lora_name=""), r"lora_name must be a non-empty str, got '' \(str\)"),
+    ("lora-int-id-zero", _lora_request(lora_int_id=0), r"lora_int_id must be an int >= 1, got 0 \(int\)"),
+    ("lora-int-id-bool", _lora_request(lora_int_id=True), r"lora_int_id must be an int >= 1, got True \(bool\)"),
+    ("lora-path-none", _lora_request(lora_path=None), r"lora_path must be a non-empty str \(a PEFT adapter folder\), got None"),
+    ("lora-id-reused", _id_reused, r"lora_int_id 1 already names adapter 'a' at .*; got 'b' at .* \(one id, one adapter\)"),
+    ("lora-prompt-never-fits", lambda llm: llm.engine.add_request(
+        "x", [5] * 1000, SamplingParams(max_tokens=100), lora_request=LoRARequest("new", 7, _lora("r4-mlp"))),
+     "request 'x' can never fit"),  # the adapter was good: checked, then not kept
+    ("lora-rank-above-max", _add_lora(LoRARequest("big", 3, _lora("r16-all"))),
+     r"LoRA adapter 'big' \(lora_path .*\): rank r=16 exceeds max_lora_rank=8; raise max_lora_rank to at least 16"),
+]
+
+
+def _adapter_config(**changes: Any) -> Callable[[Path], None]:
+    def edit(folder: Path) -> None:
+        cfg = json.loads((folder / "adapter_config.json").read_text())
+        cfg.update(changes)
+        (folder / "adapter_config.json").write_text(json.dumps(cfg))
+    return edit
+
+
+def _adapter_tensors(edit: Callable[[dict[str, torch.Tensor]], None]) -> Callable[[Path], None]:
+    def apply(folder: Path) -> None:
+        tensors = load_file(folder / "adapter_model.safetensors")
+        edit(tensors)
+        save_file(tensors, folder / "adapter_model.safetensors")
+    return apply
+
+
+Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+LORA_FOLDER_CASES: list[tuple[str, Callable[[Path], None], str]] = [
+    ("lora-path-missing", shutil.rmtree, r"LoRA adapter 'bad' \(lora_path .*\): lora_path is not a folder; a PEFT "
+                                         r"adapter folder holds adapter_config\.json and adapter_model\.safetensors"),
+    ("lora-config-malformed", lambda f: (f / "adapter_config.json").write_text("{"),
+     r"LoRA adapter 'bad' .*adapter_config\.json' is not valid JSON: .* at line 1"),
+    ("lora-config-not-object", lambda f: (f / "adapter_config.json").write_text("[]"),
+     r"adapter_config\.json must hold a JSON object, got list"),
+    ("lora-rank-bool", _adapter_config(r=True), r"adapter_config\.json 'r' must be an int >= 1, got True \(bool\)"),
+    ("lora-alpha-nan", _adapter_config(lora_alpha=math.nan), r"adapter_config\.json 'lora_alpha' must be a finite number, got nan"),
+    ("lora-target-modules-not-str", _adapter_config(target_modules=[["q_proj"]]),
+     r"target_modules must hold module names \(str\), got \[\['q_proj'\]\]"),
+    ("lora-weights-truncated", lambda f: (f / "adapter_model.safetensors").write_bytes(b"\x08" + bytes(50)),
+     r"adapter_model\.safetensors' is not a readable safetensors file"),
+    ("lora-weight-nan", _adapter_tensors(_set(Q_A, math.nan)),
+     r"tensor 'base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight' in .*adapter_model\.safetensors' "
+     r"has 1 NaN or infinite value"),
+    ("lora-weight-int-dtype", _adapter_tensors(lambda t: t.update({Q_A: t[Q_A].long()})),
+     r"tensor '.*q_proj\.lora_A\.weight' is stored as torch\.int64; LoRA weights must be floating point"),
+]
+
 FLOAT16_OVERFLOW = ("weight-overflows-dtype", _tensors(_set("model.norm.weight", 1e6)),
                     r"tensor 'model\.norm\.weight' .* has 1 NaN or infinite value\(s\) after conversion to torch\.float16")
 
@@ -258,6 +348,33 @@ def _fresh_output() -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+LORA_ENGINE = dict(device="cpu", num_gpu_blocks=64, enable_lora=True, max_loras=2, max_lora_rank=8)
+
+
+@functools.cache
+def _shared_lora_llm() -> LLM:
+    return LLM("tiny-llama", **LORA_ENGINE)
+
+
+def _lora_check_batch() -> tuple[list[list[int]], SamplingParams, list[LoRARequest | None]]:
+    """Base and adapter requests side by side (adapter 1: r8-attn, adapter 2: r4-mlp)."""
+    return ([[5, 6, 7], [5, 6, 7], [9, 9]], SamplingParams(max_tokens=5, **GREEDY),
+            [None, LoRARequest("a", 1, _lora()), LoRARequest("c", 2, _lora("r4-mlp"))])
+
+
+@functools.cache
+def _fresh_lora_output() -> list[list[int]]:
+    outs = LLM("tiny-llama", **LORA_ENGINE).generate(*_lora_check_batch()[:2], use_tqdm=False,
+                                                     lora_request=_lora_check_batch()[2])
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _lora_state(llm: LLM) -> tuple[dict[int, LoRARequest], list[int]]:
+    """The known ids and the host cache's adapters (a valid add on the way may reorder its LRU)."""
+    lora = llm.engine.runner.lora
+    return dict(lora.known), sorted(lora.cache.adapters)
+
+
 def _still_serves_like_a_fresh_engine() -> None:
     llm = _shared_llm()
     assert not llm.engine.has_unfinished_requests() and pool_is_whole(llm.engine)
@@ -270,6 +387,32 @@ def test_bad_request_input(call, match):
     with pytest.raises(ValueError, match=match):
         call(_shared_llm())
     _still_serves_like_a_fresh_engine()
+
+
+def _bad_lora_input(call: Callable[[LLM], Any], match: str) -> None:
+    llm = _shared_lora_llm()
+    prompts, params, loras = _lora_check_batch()
+    llm.generate(prompts, params, use_tqdm=False, lora_request=loras)  # adapters 1 and 2 known, cached
+    before = _lora_state(llm)
+    with pytest.raises(ValueError, match=match):
+        call(llm)
+    assert _lora_state(llm) == before, "a rejected adapter must change no LoRA state"
+    assert not llm.engine.has_unfinished_requests() and pool_is_whole(llm.engine)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in outs] == _fresh_lora_output()
+
+
+@pytest.mark.parametrize("call,match", [c[1:] for c in LORA_CASES], ids=[c[0] for c in LORA_CASES])
+def test_bad_lora_input(call, match):
+    _bad_lora_input(call, match)
+
+
+@pytest.mark.parametrize("edit,match", [c[1:] for c in LORA_FOLDER_CASES], ids=[c[0] for c in LORA_FOLDER_CASES])
+def test_bad_lora_folder(tmp_path, edit, match):
+    folder = tmp_path / "adapter"
+    shutil.copytree(_lora(), folder)
+    edit(folder)
+    _bad_lora_input(_add_lora(LoRARequest("bad", 5, str(folder))), match)
 
 
 @pytest.mark.parametrize("kwargs,match", [c[1:] for c in ENGINE_CASES], ids=[c[0] for c in ENGINE_CASES])
@@ -312,7 +455,8 @@ def test_the_docs_table_lists_exactly_these_cases():
     doc = (ROOT / "docs" / "bad_inputs.md").read_text()
     documented = re.findall(r"^\| `([a-z0-9-]+)` \|", doc, flags=re.M)
     faults = re.findall(r'^CASE_IDS = \[(.*?)\]', (ROOT / "tests" / "test_step_faults.py").read_text(), re.M | re.S)
-    cases = [c[0] for c in REQUEST_CASES + ENGINE_CASES + CHECKPOINT_CASES] + [FLOAT16_OVERFLOW[0], "text-without-tokenizer"]
+    cases = [c[0] for c in REQUEST_CASES + ENGINE_CASES + CHECKPOINT_CASES + LORA_CASES + LORA_FOLDER_CASES]
+    cases += [FLOAT16_OVERFLOW[0], "text-without-tokenizer"]
     cases += re.findall(r'"([a-z0-9-]+)"', faults[0]) if faults else []
     assert len(documented) == len(set(documented)), "a case is listed twice"
     assert sorted(documented) == sorted(cases)

@@ -5,17 +5,21 @@ finished requests such a step did not report come with the next step.
 """
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from engine_helpers import check_engine, one_torch_thread, pool_is_whole, run_to_end
 
-from engine_core import LLM, GenerationError, LLMEngine, SamplingParams
+from engine_core import LLM, GenerationError, LLMEngine, LoRARequest, SamplingParams
+from engine_core.lora.presets import adapter_path
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7], [9] * 13, [13], [21, 22]]
 POISON = 13  # the prompt token the injected faults look for
 # the ids of these cases in docs/bad_inputs.md (tests/test_bad_inputs.py checks the table)
-CASE_IDS = ["forward-fault", "nan-logits", "tiny-temperature"]
+CASE_IDS = ["forward-fault", "nan-logits", "tiny-temperature", "lora-adapter-unreadable-at-step",
+            "lora-more-adapters-than-slots"]
 
 
 def _llm() -> LLM:
@@ -139,3 +143,58 @@ def test_requests_a_failed_step_finished_come_with_the_next_step():
     assert first[0].outputs[0].token_ids == _alone([5, 6], 1)
     assert run_to_end(engine)["long"] == _alone([7, 8], 4)
     assert not engine.requests and pool_is_whole(engine)
+
+
+def _lora_engine(**kw) -> LLMEngine:
+    return LLMEngine.from_kwargs("tiny-llama", **{"device": "cpu", "num_gpu_blocks": 64, "block_size": 4,
+                                                  "enable_lora": True, "max_loras": 1, **kw})
+
+
+def _lora_alone(prompt: list[int], lora: LoRARequest | None, n: int = 6) -> list[int]:
+    engine = _lora_engine()
+    engine.add_request("alone", prompt, SamplingParams(max_tokens=n, **GREEDY), lora_request=lora)
+    return run_to_end(engine)["alone"]
+
+
+def test_an_adapter_that_no_longer_loads_fails_only_its_request(tmp_path):
+    """max_cpu_loras=2: adding b and c evicts a from the host cache, so a is read from disk again
+    when its request first runs; its folder is gone by then. a's request fails naming the folder (it
+    used to take a slot before the read and then run with whatever that slot held); the base, b and
+    c requests get their own tokens; with its folder back, a serves again."""
+    folder = tmp_path / "a"
+    shutil.copytree(adapter_path("tiny-llama", "r8-attn"), folder)
+    a = LoRARequest("a", 1, str(folder))
+    b, c = (LoRARequest(rid, i, str(adapter_path("tiny-llama", name))) for rid, i, name in (("b", 2, "r4-mlp"),
+                                                                                               ("c", 3, "r16-all")))
+    engine = _lora_engine(max_loras=2, max_cpu_loras=2)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    engine.add_request("base", [9, 9], params)
+    for lora in (a, b, c):
+        engine.add_request(lora.lora_name, [5, 6, 7], params, lora_request=lora)
+    assert list(engine.runner.lora.cache.adapters) == [2, 3], "a was evicted from the host cache"
+    shutil.rmtree(folder)
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+        check_engine(engine)
+    assert outs["a"].outputs[0].finish_reason == "error", outs["a"]
+    assert outs["a"].error.startswith("request 'a': its forward raised ValueError: LoRA adapter 'a' (lora_path ")
+    assert "lora_path is not a folder" in outs["a"].error
+    assert {rid: outs[rid].outputs[0].token_ids for rid in ("base", "b", "c")} == {
+        "base": _lora_alone([9, 9], None), "b": _lora_alone([5, 6, 7], b), "c": _lora_alone([5, 6, 7], c)}
+    assert pool_is_whole(engine) and engine.stats()["num_failed_requests"] == 1
+    shutil.copytree(adapter_path("tiny-llama", "r8-attn"), folder)
+    engine.add_request("again", [5, 6, 7], params, lora_request=a)
+    assert run_to_end(engine)["again"] == _lora_alone([5, 6, 7], a)
+
+
+def test_more_adapters_than_slots_is_not_an_error():
+    """Three adapters, max_loras=1: the scheduler's slot rule runs them in turn (as vLLM does), each
+    request with the tokens it gets alone."""
+    loras = [LoRARequest(name, i + 1, str(adapter_path("tiny-llama", name)))
+             for i, name in enumerate(["r8-attn", "r4-mlp", "r16-all"])]
+    llm = LLM("tiny-llama", device="cpu", num_gpu_blocks=64, block_size=4, enable_lora=True, max_loras=1)
+    prompts = [[5, 6, 7], [5, 6, 7], [5, 6, 7], [9, 9]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=6, **GREEDY), use_tqdm=False, lora_request=loras + [None])
+    assert [o.outputs[0].token_ids for o in outs] == [_lora_alone(p, r) for p, r in zip(prompts, loras + [None])]
+    assert len({tuple(o.outputs[0].token_ids) for o in outs[:3]}) == 3, "each adapter must change the tokens"

@@ -20,7 +20,8 @@ import threading
 import pytest
 from engine_helpers import check_engine, interrupt_at, one_torch_thread, pool_is_whole, run_to_end
 
-from engine_core import LLM, LLMEngine, SamplingParams
+from engine_core import LLM, LLMEngine, LoRARequest, SamplingParams
+from engine_core.lora.presets import adapter_path
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -84,6 +85,57 @@ def test_interrupt_at_every_line_of_a_step():
             run_to_end(engine, check=True)
             assert {rid: r.output_token_ids for rid, r in requests.items()} == expected, where
             assert all(r.status.finish_reason == "length" for r in requests.values()), where
+            assert pool_is_whole(engine) and not engine.requests, where
+
+
+LORA_SLOT_LOAD = {"LoRAManager.prepare", "LoRAManager.load_slot", "LoRAStack.write", "LoRASlotPool.assign",
+                  "LoRACache.get", "LoRACache.load", "LoRACache.put"}
+
+
+def _lora_engine() -> tuple[LLMEngine, dict]:
+    """max_loras=1 and two adapters: r0 (adapter a) runs first, r1 (adapter b) waits for the slot and
+    is copied into it once r0 finishes (step 3, asserted below)."""
+    engine = LLMEngine.from_kwargs("tiny-llama", device="cpu", block_size=4, num_gpu_blocks=16, enable_lora=True,
+                                   max_loras=1)
+    loras = [LoRARequest(name, i + 1, str(adapter_path("tiny-llama", name)))
+             for i, name in enumerate(["r8-attn", "r4-mlp"])]
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    requests = {f"r{i}": engine.add_request(f"r{i}", [5, 6, 7], params, lora_request=lora)
+                for i, lora in enumerate(loras)}
+    return engine, requests
+
+
+@functools.cache
+def _uninterrupted_lora() -> tuple[dict[str, list[int]], list[list[tuple[str, int]]]]:
+    engine, requests = _lora_engine()
+    lines = []
+    while engine.has_unfinished_requests():
+        with interrupt_at(None, None if ALL_LINES else LORA_SLOT_LOAD) as seen:
+            engine.step()
+        lines.append(list(seen))
+    return {rid: r.output_token_ids for rid, r in requests.items()}, lines
+
+
+@pytest.mark.slow
+def test_interrupt_at_every_line_of_an_adapter_slot_load():
+    """An interrupt while an adapter is being put into its slot (the slot taken, its weights half
+    copied) must not leave the slot taken as loaded: the request ends with its uninterrupted
+    tokens. Each distinct line of the slot load in turn (make fuzz: every line of every step)."""
+    expected, lines = _uninterrupted_lora()
+    load_steps = [i for i, seen in enumerate(lines) if any(q == "LoRAManager.load_slot" for q, _ in seen)]
+    assert load_steps[:2] == [0, 3], "the workload copies adapter a in step 0 and adapter b in step 3"
+    for step in range(len(lines)) if ALL_LINES else load_steps[:2]:
+        firsts = {line: i for i, line in reversed(list(enumerate(lines[step])))}
+        for event in sorted(firsts.values()):
+            engine, requests = _lora_engine()
+            for _ in range(step):
+                engine.step()
+            with pytest.raises(KeyboardInterrupt), interrupt_at(event, None if ALL_LINES else LORA_SLOT_LOAD):
+                engine.step()
+            where = f"interrupted at {lines[step][event]} in step {step}"
+            check_engine(engine)
+            run_to_end(engine, check=True)
+            assert {rid: r.output_token_ids for rid, r in requests.items()} == expected, where
             assert pool_is_whole(engine) and not engine.requests, where
 
 

@@ -3,7 +3,8 @@
 Each step, `schedule()` hands out `max_num_batched_tokens` tokens: first to running
 requests in order (decodes and unfinished prefill chunks), preempting the lowest-priority
 running requests when blocks run out; then swapped requests are brought back; then
-waiting requests are admitted in FCFS order after a prefix-cache lookup. A request only
+waiting requests are admitted in FCFS order after a prefix-cache lookup. With LoRA, a step
+never runs more than `max_loras` distinct adapters (`_lora_slot_available`). A request only
 has `num_computed_tokens` that must catch up with `num_tokens`: no prefill/decode phases.
 
 With `enable_chunked_prefill=False` a request's remaining tokens are scheduled whole or
@@ -161,10 +162,11 @@ class Scheduler:
         """Bring swapped requests back, oldest first, while the budget, max_num_seqs and free
         GPU blocks (their KV plus this step's tokens) allow; stop at the first that does not fit."""
         kvm = self.kv_cache_manager
+        loras = self._running_loras()
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.swapped[0]
             num_new = self._num_new_tokens(request, budget)
-            if num_new == 0 or not kvm.can_swap_in(request, num_new):
+            if num_new == 0 or not kvm.can_swap_in(request, num_new) or not self._lora_slot_available(request, loras):
                 break
             self.swapped.pop(0)
             mapping = kvm.swap_in(request)
@@ -174,6 +176,8 @@ class Scheduler:
                 raise RuntimeError(f"swap-in of {request.request_id!r}: allocate_slots failed after can_swap_in")
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.lora_id is not None:
+                loras.add(request.lora_id)
             self._schedule_chunk(request, num_new, out)
             budget -= num_new
         return budget
@@ -182,10 +186,13 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests in FCFS order (a prefix-cache lookup first) while budget,
-        max_num_seqs and blocks allow; the first that does not fit stops admission."""
+        max_num_seqs, blocks and adapter slots allow; the first that does not fit stops admission."""
         kvm = self.kv_cache_manager
+        loras = self._running_loras()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if not self._lora_slot_available(request, loras):
+                break
             hits, num_cached = kvm.get_computed_blocks(request)
             num_new = self._num_new_tokens(request, budget, num_cached)
             if num_new == 0 or kvm.allocate_slots(request, num_new, hits) is None:
@@ -198,8 +205,26 @@ class Scheduler:
             request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.lora_id is not None:
+                loras.add(request.lora_id)
             self._schedule_chunk(request, num_new, out)
             budget -= num_new
+
+    # seam: lab 09 (grader/seams.py)
+    def _lora_slot_available(self, request: Request, running_loras: set[int]) -> bool:
+        """The slot rule: the running requests never use more than max_loras distinct adapters, so
+        every step's adapters fit the GPU slots and a running request's adapter stays in its slot.
+        `request` may join if it has no adapter, its adapter is running already (`running_loras`),
+        or fewer than max_loras adapters are. Without enable_lora, always True.
+
+        A request refused here stops admission like one whose blocks do not fit (FCFS): nobody
+        behind it can take or keep the slot it waits for, so it gets the first one that frees."""
+        if request.lora_id is None or not self.config.enable_lora:
+            return True
+        return request.lora_id in running_loras or len(running_loras) < self.config.max_loras
+
+    def _running_loras(self) -> set[int]:
+        return {r.lora_id for r in self.running if r.lora_id is not None}
 
     # ---- preemption (lab 03 seams) -------------------------------------------------------
     # seam: lab 03 (grader/seams.py)

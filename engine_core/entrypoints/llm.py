@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from engine_core.engine import LLMEngine
 from engine_core.guard import ThreadGuard, guarded_session
+from engine_core.lora.request import LoRARequest
 from engine_core.prompts import PromptType, as_prompt_list
 from engine_core.request import Request, RequestOutput, SamplingParams
 from engine_core.validation import fail
@@ -35,18 +36,21 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in prompt order. A prompt is a string, a list of token ids,
         {"prompt": text} or {"prompt_token_ids": ids} (mixed is fine); one SamplingParams for all, or
-        one per prompt. Every prompt is validated before any is queued: a ValueError (naming the
-        prompt's index) leaves the engine as it was. Whatever ends the call early (an exception,
-        KeyboardInterrupt) aborts its requests, so the engine is left as it was found. A request
-        aborted elsewhere (`engine.abort_request` from another thread) comes back with finish_reason
-        "abort"; requests that fail raise GenerationError once the batch is done. One call at a
-        time: a second, concurrent or from inside a step, gets EngineBusyError."""
+        one per prompt; likewise one LoRARequest (or None: the base model) for all, or one per prompt.
+        Every prompt is validated before any is queued: a ValueError (naming the prompt's index)
+        leaves the engine as it was. Whatever ends the call early (an exception, KeyboardInterrupt)
+        aborts its requests, so the engine is left as it was found. A request aborted elsewhere
+        (`engine.abort_request` from another thread) comes back with finish_reason "abort"; requests
+        that fail raise GenerationError once the batch is done. One call at a time: a second,
+        concurrent or from inside a step, gets EngineBusyError."""
         prompt_list = as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
-        outputs = self._generate(prompt_list, params, use_tqdm)
+        loras = _as_lora_list(lora_request, len(prompt_list))
+        outputs = self._generate(prompt_list, params, loras, use_tqdm)
         failed = [i for i, out in enumerate(outputs) if out.outputs[0].finish_reason == "error"]
         if failed:
             raise GenerationError(outputs, failed)
@@ -57,15 +61,15 @@ class LLM:
         return self.engine.guard
 
     @guarded_session("LLM.generate()")
-    def _generate(self, prompts: list[PromptType], params: list[SamplingParams],
+    def _generate(self, prompts: list[PromptType], params: list[SamplingParams], loras: list[LoRARequest | None],
                   use_tqdm: bool) -> list[RequestOutput]:
         ids = [f"gen-{next(self._ids)}" for _ in prompts]
         added: dict[str, tuple[Request, str | None]] = {}  # id -> (request, prompt text)
         done: dict[str, RequestOutput] = {}
         try:
-            for i, (rid, prompt, sp) in enumerate(zip(ids, prompts, params)):
+            for i, (rid, prompt, sp, lora) in enumerate(zip(ids, prompts, params, loras)):
                 try:
-                    request = self.engine.add_request(rid, prompt, sp)
+                    request = self.engine.add_request(rid, prompt, sp, lora_request=lora)
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from e
                 added[rid] = (request, self.engine.requests[rid][1])
@@ -113,3 +117,15 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
         raise ValueError(f"sampling_params must be one SamplingParams or a list of {n} (one per prompt), "
                          f"got {len(params)}")
     return list(params)
+
+
+def _as_lora_list(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:
+    """One per prompt; each is checked by add_request (a wrong type there names the prompt)."""
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    if not isinstance(lora, (list, tuple)):
+        fail("lora_request", "a LoRARequest, a list of them (one per prompt; None: the base model) or None", lora)
+    if len(lora) != n:
+        raise ValueError(f"lora_request must be one LoRARequest, None, or a list of {n} (one per prompt), "
+                         f"got {len(lora)}")
+    return list(lora)

@@ -1,7 +1,9 @@
 """Batch metadata for attention, passed explicitly through the forward (no module-global context).
 
-The model runner builds one `AttentionMetadata` per step from the SchedulerOutput; every
-attention layer reads the same one, together with its own layer of the KV cache.
+The model runner builds one `AttentionMetadata` per step from the SchedulerOutput. The model turns
+it into one `AttentionPlan` per step: the backend's ops resolved once, the batch split into its
+decode rows and prefill chunks once, the emitting rows' tables picked once; every layer then runs
+the same plan on its own layer of the KV cache.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from engine_core.models.lora import LoRABatch
 
 
 @dataclass
@@ -28,47 +31,62 @@ class AttentionMetadata:
     # result only for these rows. None: every row.
     output_rows: torch.Tensor | None = None
     output_seqs: torch.Tensor | None = None
+    lora: LoRABatch | None = None  # each row's adapter slot; None: no row of the step uses an adapter
 
     @property
     def decode_only(self) -> bool:
         return self.num_decode_seqs == len(self.seq_lens)
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-             k_scale: torch.Tensor, v_scale: torch.Tensor, meta: AttentionMetadata) -> None:
-    kernels.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, kv_cache_dtype=meta.kv_cache_dtype,
-                              k_scale=k_scale, v_scale=v_scale, backend=meta.backend)
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's cache tensors and fp8 scales."""
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
 
 
-def attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
-           v_scale: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Every query row over its sequence's cached context (this step's K/V already written).
+class AttentionPlan:
+    """Everything attention needs for one step, derived once from the metadata (host-side slicing
+    only, nothing that synchronises with a device, so CUDA graph capture still works)."""
 
-    Single-row sequences (decodes) go through the batched decode op in one call; the rest
-    (prefill chunks) through the varlen op. Both compute the same thing for a one-row query,
-    the decode op just does it for the whole group at once."""
-    nd = meta.num_decode_seqs
-    common = dict(k_scale=k_scale, v_scale=v_scale, backend=meta.backend)
-    if nd == len(meta.seq_lens):
-        return kernels.paged_attention_decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
-                                              **common)
-    if nd == 0:
-        return kernels.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                       meta.query_start_loc, scale, **common)
-    out = torch.empty_like(query)
-    out[:nd] = kernels.paged_attention_decode(query[:nd], key_cache, value_cache, meta.block_tables[:nd],
-                                              meta.seq_lens[:nd], scale, **common)
-    out[nd:] = kernels.paged_attention(query[nd:], key_cache, value_cache, meta.block_tables[nd:], meta.seq_lens[nd:],
-                                       meta.query_start_loc[nd:] - nd, scale, **common)
-    return out
+    def __init__(self, meta: AttentionMetadata, device: torch.device) -> None:
+        self.meta = meta
+        self.ops = kernels.attention_ops(meta.backend, device)
+        nd, n = meta.num_decode_seqs, len(meta.seq_lens)
+        self.num_decode_seqs, self.num_seqs = nd, n
+        # decode rows (one per sequence, rows 0..nd-1) and prefill chunks (the rest)
+        self.decode = (meta.block_tables[:nd], meta.seq_lens[:nd]) if nd < n else (meta.block_tables, meta.seq_lens)
+        self.prefill = (meta.block_tables[nd:], meta.seq_lens[nd:], meta.query_start_loc[nd:] - nd) if nd else (
+            meta.block_tables, meta.seq_lens, meta.query_start_loc)
+        self.output_rows = meta.output_rows
+        if meta.output_rows is not None:  # each emitting row is its sequence's last: one decode-op call covers them
+            self.output = (meta.block_tables[meta.output_seqs], meta.seq_lens[meta.output_seqs])
 
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> None:
+        self.ops.reshape_and_cache(key, value, kv.key_cache, kv.value_cache, self.meta.slot_mapping,
+                                   self.meta.kv_cache_dtype, kv.k_scale, kv.v_scale)
 
-def attend_output_rows(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                       k_scale: torch.Tensor, v_scale: torch.Tensor, meta: AttentionMetadata,
-                       scale: float) -> torch.Tensor:
-    """Only `meta.output_rows`: each is its sequence's last row, so one decode-op call covers them."""
-    if meta.output_rows.numel() == 0:  # a step of mid-prompt chunks only: nothing to compute
-        return query[:0]
-    return kernels.paged_attention_decode(query[meta.output_rows], key_cache, value_cache,
-                                          meta.block_tables[meta.output_seqs], meta.seq_lens[meta.output_seqs], scale,
-                                          k_scale=k_scale, v_scale=v_scale, backend=meta.backend)
+    def attend(self, query: torch.Tensor, kv: LayerKV, scale: float) -> torch.Tensor:
+        """Every query row over its sequence's cached context (this step's K/V already written).
+        Decode rows go through the batched decode op in one call, prefill chunks through the
+        varlen op; both compute the same thing for a one-row query."""
+        nd, ops = self.num_decode_seqs, self.ops
+        cache = (kv.key_cache, kv.value_cache)
+        if nd == self.num_seqs:
+            return ops.paged_attention_decode(query, *cache, *self.decode, scale, kv.k_scale, kv.v_scale)
+        if nd == 0:
+            return ops.paged_attention(query, *cache, *self.prefill, scale, kv.k_scale, kv.v_scale)
+        out = torch.empty_like(query)
+        out[:nd] = ops.paged_attention_decode(query[:nd], *cache, *self.decode, scale, kv.k_scale, kv.v_scale)
+        out[nd:] = ops.paged_attention(query[nd:], *cache, *self.prefill, scale, kv.k_scale, kv.v_scale)
+        return out
+
+    def attend_output_rows(self, query: torch.Tensor, kv: LayerKV, scale: float) -> torch.Tensor:
+        """Only the emitting rows (`meta.output_rows`), in their order."""
+        if self.output_rows.numel() == 0:  # a step of mid-prompt chunks only: nothing to compute
+            return query[:0]
+        return self.ops.paged_attention_decode(query[self.output_rows], kv.key_cache, kv.value_cache, *self.output,
+                                               scale, kv.k_scale, kv.v_scale)

@@ -1,15 +1,12 @@
 """The Llama-family decoder: Llama 2/3, Mistral, Qwen2 and Qwen3, loaded from a local folder.
 
-The members differ in a few switches, all read from config.json:
-- qkv bias (Qwen2 always; Llama/Qwen3 when `attention_bias`), o_proj bias (Llama/Qwen3 `attention_bias`);
-- per-head RMSNorm of q and k before RoPE (Qwen3), `head_dim` that is not hidden/heads;
-- tied embeddings (the LM head is the embedding matrix);
-- RoPE: default, linear or llama3 scaling, from `rope_parameters` (transformers >= 5) or
-  `rope_theta` + `rope_scaling` (older checkpoints).
+The members differ in a few switches, parsed from config.json into `LlamaArgs` (models/config.py):
+qkv and o_proj bias, q/k RMSNorm (Qwen3), head_dim, tied embeddings, RoPE scaling.
 
 Weights are fused at load time (q|k|v into one matmul, gate|up into another): fewer, larger
 GEMMs. The forward takes the batch metadata explicitly: `forward(input_ids, positions, kv_cache,
-attn_metadata)` over one flat varlen batch of tokens.
+attn_metadata)` over one flat varlen batch of tokens. Every projection is a `models.linear.Linear`:
+the GEMM, plus each row's LoRA delta when the step has adapters (`attn_metadata.lora`).
 """
 from __future__ import annotations
 
@@ -20,10 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_core.worker.kv_cache import KVCache
-from engine_core.models.attention import AttentionMetadata, attend, attend_output_rows, write_kv
+import kernels.cpu
+from engine_core.models.attention import AttentionMetadata, AttentionPlan, LayerKV
 from engine_core.models.config import LlamaArgs
+from engine_core.models.linear import Linear
 from engine_core.models.loader import CheckpointReader
+from engine_core.models.lora import LoRAMapping
+from engine_core.worker.kv_cache import KVCache
 
 
 def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
@@ -52,7 +52,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """`fused`: one C call (fp32 CPU rows; kernels.cpu.rms_norm) instead of six ops."""
+        if fused and x.dim() == 2:
+            return kernels.cpu.rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -62,43 +65,63 @@ def _param(t: torch.Tensor | None) -> nn.Parameter | None:
     return None if t is None else nn.Parameter(t, requires_grad=False)
 
 
+def _linear(ckpt: CheckpointReader, names: list[str], bias: bool) -> Linear:
+    """One Linear over the checkpoint matrices `names` stacked along the output dimension."""
+    weight = torch.cat([ckpt.get(f"{n}.weight") for n in names])
+    return Linear(_param(weight), _param(torch.cat([ckpt.get(f"{n}.bias") for n in names])) if bias else None)
+
+
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, prefix: str, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.scale = args.head_dim ** -0.5
-        names = [f"{prefix}.{p}_proj" for p in "qkv"]
-        self.qkv_weight = _param(torch.cat([ckpt.get(f"{n}.weight") for n in names]))
-        self.qkv_bias = _param(torch.cat([ckpt.get(f"{n}.bias") for n in names])) if args.qkv_bias else None
-        self.o_weight = _param(ckpt.get(f"{prefix}.o_proj.weight"))
-        self.o_bias = _param(ckpt.get(f"{prefix}.o_proj.bias")) if args.o_bias else None
+        self.qkv_proj = _linear(ckpt, [f"{prefix}.{p}_proj" for p in "qkv"], args.qkv_bias)
+        self.o_proj = _linear(ckpt, [f"{prefix}.o_proj"], args.o_bias)
         self.q_norm = RMSNorm(ckpt.get(f"{prefix}.q_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(ckpt.get(f"{prefix}.k_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, only_output_rows: bool = False) -> torch.Tensor:
-        """`only_output_rows`: write K/V for every row, return results for meta.output_rows only."""
+    def forward(self, x: torch.Tensor, rope: "Rope", kv_cache: KVCache, plan: AttentionPlan, residual: torch.Tensor,
+                only_output_rows: bool = False) -> torch.Tensor:
+        """residual + o_proj(attention). `only_output_rows`: write K/V for every row, compute the
+        rest for plan.output_rows only (`residual` is then those rows')."""
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(-1, h + 2 * kvh, d)
-        q, k, v = qkv.split([h, kvh, kvh], dim=1)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        lora = plan.meta.lora
+        qkv = self.qkv_proj(x, lora=lora and lora.all_rows).view(-1, h + 2 * kvh, d)
+        if self.q_norm is None:  # q and k rotate in one pass: [tokens, h + kvh, d]
+            qk = rope(qkv[:, :h + kvh])
+            q, k = qk[:, :h], qk[:, h:]
+        else:
+            q, k = rope(self.q_norm(qkv[:, :h])), rope(self.k_norm(qkv[:, h:h + kvh]))
+        v = qkv[:, h + kvh:]
         i = self.layer_idx
         if kv_cache.needs_scales:
             kv_cache.calibrate_scales(i, k, v)
-        cache = (kv_cache.key[i], kv_cache.value[i], kv_cache.k_scale[i], kv_cache.v_scale[i])
-        write_kv(k, v, *cache, meta)
-        out = (attend_output_rows if only_output_rows else attend)(q, *cache, meta, self.scale)
-        return F.linear(out.reshape(-1, h * d), self.o_weight, self.o_bias)
+        kv = LayerKV(kv_cache.key[i], kv_cache.value[i], kv_cache.k_scale[i], kv_cache.v_scale[i])
+        plan.write_kv(k, v, kv)
+        out = (plan.attend_output_rows if only_output_rows else plan.attend)(q, kv, self.scale)
+        return self.o_proj(out.reshape(-1, h * d), residual, lora and lora.rows(only_output_rows))
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on `[tokens, heads, head_dim]`; cos/sin are `[tokens, head_dim/2]`."""
-    x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+class Rope:
+    """One step's rotate-half RoPE on `[tokens, heads, head_dim]`. Fused: the C kernel rotates in
+    place, reading the cos/sin table rows by position itself. Otherwise the PyTorch formula, with
+    the rows gathered once per step (`[tokens, 1, head_dim/2]`)."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, fused: bool) -> None:
+        self.fused = fused
+        if fused:
+            self.positions, self.cos, self.sin = positions, cos, sin
+        else:
+            self.cos, self.sin = cos[positions, None], sin[positions, None]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            kernels.cpu.rotary_embedding(x, self.positions, self.cos, self.sin)
+            return x
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin), dim=-1)
 
 
 class MLP(nn.Module):
@@ -106,15 +129,17 @@ class MLP(nn.Module):
 
     def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, prefix: str) -> None:
         super().__init__()
-        gate_up = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
-        self.gate_up_weight = _param(torch.cat([ckpt.get(f"{n}.weight") for n in gate_up]))
-        self.gate_up_bias = _param(torch.cat([ckpt.get(f"{n}.bias") for n in gate_up])) if args.mlp_bias else None
-        self.down_weight = _param(ckpt.get(f"{prefix}.down_proj.weight"))
-        self.down_bias = _param(ckpt.get(f"{prefix}.down_proj.bias")) if args.mlp_bias else None
+        self.gate_up_proj = _linear(ckpt, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], args.mlp_bias)
+        self.down_proj = _linear(ckpt, [f"{prefix}.down_proj"], args.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight, self.down_bias)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, fused: bool = False,
+                lora: LoRAMapping | None = None) -> torch.Tensor:
+        """residual + mlp(x). `fused`: SiLU-and-mul in one C call (kernels.cpu.silu_and_mul)."""
+        gate_up = self.gate_up_proj(x, lora=lora)
+        if fused:
+            return self.down_proj(kernels.cpu.silu_and_mul(gate_up), residual, lora)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, residual, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -126,11 +151,12 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(ckpt.get(f"{p}.post_attention_layernorm.weight"), args.rms_norm_eps)
         self.mlp = MLP(args, ckpt, f"{p}.mlp")
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, only_output_rows: bool = False) -> torch.Tensor:
-        attn = self.attn(self.input_norm(x), cos, sin, kv_cache, meta, only_output_rows)
-        x = (x[meta.output_rows] if only_output_rows else x) + attn
-        return x + self.mlp(self.post_attn_norm(x))
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, plan: AttentionPlan, fused: bool,
+                only_output_rows: bool = False) -> torch.Tensor:
+        residual = x[plan.output_rows] if only_output_rows else x
+        x = self.attn(self.input_norm(x, fused), rope, kv_cache, plan, residual, only_output_rows)
+        lora = plan.meta.lora
+        return self.mlp(self.post_attn_norm(x, fused), x, fused, lora and lora.rows(only_output_rows))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -148,6 +174,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.embed
         else:
             self.lm_head = _param(ckpt.get("lm_head.weight"))
+        self.lm_head_proj = Linear(self.lm_head)
         # cos/sin for every position once, as Hugging Face computes them: (pos * inv_freq).cos()
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(args)[None, :]
         self.register_buffer("cos", freqs.cos().to(device=self.embed.device, dtype=self.embed.dtype), persistent=False)
@@ -156,15 +183,18 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
-        cos, sin = self.cos[positions], self.sin[positions]
+        plan = AttentionPlan(attn_metadata, x.device)
+        # The cpu backend's fused elementwise C ops, for fp32 (the exact mode that matches HF)
+        fused = plan.ops.backend == "cpu" and x.dtype == torch.float32
+        rope = Rope(self.cos, self.sin, positions, fused)
         only_output_rows = attn_metadata.output_rows is not None
         for layer in self.layers[:-1]:
-            x = layer(x, cos, sin, kv_cache, attn_metadata)
-        x = self.layers[-1](x, cos, sin, kv_cache, attn_metadata, only_output_rows)
-        return self.norm(x)
+            x = layer(x, rope, kv_cache, plan, fused)
+        x = self.layers[-1](x, rope, kv_cache, plan, fused, only_output_rows)
+        return self.norm(x, fused)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head_proj(hidden).float()
 
 
 def load_model(folder: str | Path, args: LlamaArgs, dtype: torch.dtype, device: torch.device,

@@ -75,11 +75,11 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     single = folder / "model.safetensors"
     if not single.is_file():
         raise ValueError(f"model folder {str(folder)!r} has neither model.safetensors nor model.safetensors.index.json")
-    with _open(single) as f:
+    with open_safetensors(single) as f:
         return {name: single for name in f.keys()}
 
 
-def _open(path: Path) -> Any:
+def open_safetensors(path: Path) -> Any:
     """safe_open, with an error that names the file when it is missing or not safetensors."""
     if not path.is_file():
         raise ValueError(f"safetensors file {str(path)!r} does not exist (named in the checkpoint's index)")
@@ -106,7 +106,7 @@ def read_tensor_infos(folder: str | Path) -> dict[str, TensorInfo]:
         by_file.setdefault(path, []).append(name)
     infos = {}
     for path, names in by_file.items():
-        with _open(path) as f:
+        with open_safetensors(path) as f:
             stored = set(f.keys())
             for name in names:
                 if name not in stored:
@@ -140,18 +140,18 @@ class CheckpointReader:
             where = sorted({p.name for p in self.files.values()}) or ["(no tensors)"]
             raise ValueError(f"checkpoint {str(self.folder)!r} ({', '.join(where)}) is missing tensor {name!r}")
         path = self.files[name]
-        with _open(path) as f:
+        with open_safetensors(path) as f:
             if name not in f.keys():
                 raise ValueError(f"file {str(path)!r} is missing tensor {name!r} named in its index")
             stored = f.get_tensor(name)
-        _check_finite(stored, name, path, "")
+        check_finite(stored, name, path, "")
         tensor = stored.to(device=self.device, dtype=self.dtype)
         if stored.is_floating_point() and torch.finfo(self.dtype).max < torch.finfo(stored.dtype).max:
-            _check_finite(tensor, name, path, f" after conversion to {self.dtype} (values out of its range)")
+            check_finite(tensor, name, path, f" after conversion to {self.dtype} (values out of its range)")
         return tensor
 
 
-def _check_finite(tensor: torch.Tensor, name: str, path: Path, how: str) -> None:
+def check_finite(tensor: torch.Tensor, name: str, path: Path, how: str) -> None:
     if tensor.is_floating_point() and tensor.element_size() == 1:
         tensor = tensor.float()  # isfinite has no fp8 kernels
     if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):

@@ -5,7 +5,8 @@ graph launches the whole forward at once. Inputs live in static buffers; a batch
 the graph of the smallest captured size >= n, padding rows write nowhere (slot -1) and read
 block 0, and their outputs are dropped. A graph is captured on first use of its size. If capture
 fails (an attention backend that synchronises with the host cannot be captured) graphs are
-switched off with a warning and the runner stays eager: slower, never wrong.
+switched off with a warning and the runner stays eager: slower, never wrong. Batches with LoRA
+adapters run eagerly (their slot mapping is not in the static buffers).
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ class DecodeGraphs:
         self.enabled = True
 
     def can_run(self, m: AttentionMetadata) -> bool:
-        return (self.enabled and m.output_rows is None and m.decode_only and len(m.seq_lens) <= self.sizes[-1]
+        return (self.enabled and m.output_rows is None and m.lora is None and m.decode_only
+                and len(m.seq_lens) <= self.sizes[-1]
                 and m.block_tables.shape[1] <= self.block_tables.shape[1])
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata) -> torch.Tensor:

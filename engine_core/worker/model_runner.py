@@ -11,7 +11,9 @@ Per step (`execute_model`): run the scheduled KV block copies (swap_out first, t
 apply the new block ids to the persistent block tables (`InputBatch`), build the batch tensors
 (input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc) with vectorised
 index arithmetic, run the model, and compute logits only for the rows whose chunk reaches the
-end of its request. Decode-only batches on CUDA replay CUDA graphs.
+end of its request. Decode-only batches on CUDA replay CUDA graphs (batches without LoRA
+adapters; with `enable_lora` the LoRAManager gives the step's adapters slots and the rows a
+slot mapping, `attn_metadata.lora`).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from engine_core import memory
 from engine_core.config import KVCacheConfig, ResolvedConfig
 from engine_core.core.kv_cache_manager import cdiv
 from engine_core.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from engine_core.lora.manager import LoRAManager
 from engine_core.models.attention import AttentionMetadata
 from engine_core.models.config import ModelConfig
 from engine_core.models.llama import LlamaForCausalLM, load_model
@@ -59,6 +62,7 @@ class ModelRunner:
         self.block_size = config.engine.block_size
         self.model: LlamaForCausalLM = load_model(model_config.path, model_config.args, config.dtype, config.device,
                                                   max_positions=config.max_model_len)
+        self.lora = LoRAManager(self.model, model_config.args, config) if config.engine.enable_lora else None
         self.sampler = Sampler(config.engine.seed)
         self.input_batch = InputBatch(config.engine.max_num_seqs, cdiv(config.max_model_len, self.block_size))
         self.kv_cache: KVCache | None = None  # initialize_kv_cache
@@ -130,9 +134,18 @@ class ModelRunner:
 
     # ---- requests --------------------------------------------------------------------------
     def remove_requests(self, request_ids: list[str]) -> None:
-        """Forget the block tables of finished or aborted requests."""
+        """Forget the block tables of finished or aborted requests (and their adapters' slot pins)."""
         for rid in request_ids:
             self.input_batch.remove(rid)
+        if self.lora is not None:
+            self.lora.forget(request_ids)
+
+    def forget_all_requests(self) -> None:
+        """After a step that raised part-way (the engine requeues every request to be recomputed): no
+        block-table rows, no adapter pins, no adapter slot trusted (one may be half-copied)."""
+        self.remove_requests(list(self.input_batch.row_of))
+        if self.lora is not None:
+            self.lora.forget_all()
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -153,6 +166,7 @@ class ModelRunner:
         try:
             return self._run(chunks, rows)
         except Exception as error:
+            self._distrust_lora_slots()
             if len(chunks) == 1:
                 return RunnerOutput(failed={chunks[0].request.request_id: _fault(chunks[0], error)})
         return self._run_one_by_one(chunks, rows)
@@ -163,16 +177,25 @@ class ModelRunner:
             try:
                 alone = self._run([chunk], [row])
             except Exception as error:
+                self._distrust_lora_slots()
                 out.failed[chunk.request.request_id] = _fault(chunk, error)
             else:
                 out.sampled.update(alone.sampled)
                 out.failed.update(alone.failed)
         return out
 
+    def _distrust_lora_slots(self) -> None:
+        """A run that raised may have stopped part-way through copying an adapter into its slot (a
+        disk read that failed raises before any slot changes): the next run copies every one again."""
+        if self.lora is not None:
+            self.lora.slots.clear()
+
     def _run(self, chunks: list[ScheduledChunk], rows: list[int]) -> RunnerOutput:
         """Forward and sample `chunks` (their block-table rows already applied)."""
         batch = build_model_input(chunks, rows, self.input_batch, self.block_size, self.device,
                                   self.config.engine.kv_cache_dtype, self.config.attention_backend)
+        if self.lora is not None:
+            batch.attn_metadata.lora = self.lora.prepare(chunks, batch.attn_metadata)
         hidden = self._forward(batch)
         if not batch.emitting:  # only mid-prompt chunks this step
             return RunnerOutput()

@@ -27,12 +27,29 @@ def _spy_triton_decode(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def test_cpu_tensors_default_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_tensors_default_to_the_c_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`auto` on CPU runs kernels.cpu (the C kernels), which agree with the reference to fp32 rounding."""
+    from kernels import cpu
     monkeypatch.delenv("KERNELS_BACKEND", raising=False)
     calls = _spy_triton_decode(monkeypatch)
+    assert kernels.resolve_backend("auto", torch.device("cpu")) == "cpu"
     q, kc, vc, bt, sl = _decode_inputs()
     out = kernels.paged_attention_decode(q, kc, vc, bt, sl, 0.25)
-    assert calls == [] and torch.equal(out, reference.paged_attention_decode(q, kc, vc, bt, sl, 0.25))
+    assert calls == [] and kernels.attention_ops("auto", q.device).paged_attention_decode is cpu.paged_attention_decode
+    torch.testing.assert_close(out, reference.paged_attention_decode(q, kc, vc, bt, sl, 0.25))
+
+
+def test_torch_backend_is_the_reference_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, kc, vc, bt, sl = _decode_inputs()
+    out = kernels.paged_attention_decode(q, kc, vc, bt, sl, 0.25, backend="torch")
+    assert torch.equal(out, reference.paged_attention_decode(q, kc, vc, bt, sl, 0.25))
+    monkeypatch.setenv("KERNELS_BACKEND", "torch")
+    assert kernels.attention_ops("auto", q.device).paged_attention_decode is reference.paged_attention_decode
+
+
+def test_cpu_backend_refuses_cuda_tensors() -> None:
+    with pytest.raises(RuntimeError, match="the cpu backend got cuda tensors"):
+        kernels.resolve_backend("cpu", torch.device("cuda"))
 
 
 @pytest.mark.parametrize("how", ["argument", "environment"])

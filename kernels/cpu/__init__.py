@@ -1,0 +1,193 @@
+"""C kernels for CPU tensors: paged decode attention read in place, the KV cache write, and the
+model's fused elementwise ops (RMSNorm, SiLU-and-mul, RoPE in place; vLLM's names).
+
+The attention ops keep `kernels.reference`'s contracts (and are tested against it). They cover
+fp32 caches; any other case (fp8 or half-precision caches, mixed dtypes) runs the reference op,
+so every call here is valid. Prefill attention is the reference op: per sequence it gathers a few
+blocks for many query rows, where the copy is small next to the attention math. The elementwise
+ops take fp32 only (the model calls them only then) and are tested against the model's PyTorch
+formulas.
+
+The library is built on first use (`build.py`); if that fails, `load()` warns once with the
+reason and returns None, and the dispatch in `kernels` keeps the reference ops.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import warnings
+
+import torch
+from torch.profiler import record_function
+
+from kernels import reference
+from kernels.cpu.build import BuildError, build
+
+__all__ = ["load", "load_error", "paged_attention", "paged_attention_decode", "reshape_and_cache", "rms_norm",
+           "rotary_embedding", "silu_and_mul"]
+
+_ERRORS = {1: "a block table entry that a sequence uses is outside the cache", 2: "a slot is past the cache's end",
+           3: "a sequence needs more blocks than its block table row has", 4: "a position is outside the RoPE tables"}
+_lib: ctypes.CDLL | None = None
+_load_error: str | None = None
+
+_ITEMS_PER_THREAD = 4  # decode work items per thread, at least, for the dynamic schedule to balance
+paged_attention = reference.paged_attention
+
+
+def load() -> ctypes.CDLL | None:
+    """The library (built and loaded once per process), or None with a one-time warning saying why."""
+    global _lib, _load_error
+    if _lib is None and _load_error is None:
+        try:
+            lib = ctypes.CDLL(str(build()))
+        except (BuildError, OSError) as e:
+            _load_error = str(e)
+            warnings.warn(f"kernels.cpu: the C kernels are unavailable, CPU tensors use the slower PyTorch "
+                          f"reference ops. Reason: {e}", RuntimeWarning, stacklevel=2)
+            return None
+        _declare(lib)
+        _lib = lib
+    return _lib
+
+
+def load_error() -> str | None:
+    """Why the library could not be loaded (None if it loaded or was never tried)."""
+    return _load_error
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.paged_attention_decode_f32.argtypes = [ptr] * 6 + [i64] * 11 + [ctypes.c_float]
+    lib.reshape_and_cache_f32.argtypes = [ptr] * 5 + [i64] * 8
+    lib.rms_norm_f32.argtypes = [ptr] * 3 + [i64] * 3 + [ctypes.c_float]
+    lib.silu_and_mul_f32.argtypes = [ptr] * 2 + [i64] * 3
+    lib.rotary_embedding_f32.argtypes = [ptr] * 4 + [i64] * 5
+    lib.rms_norm_f32.restype = lib.silu_and_mul_f32.restype = None
+    for f in (lib.paged_attention_decode_f32, lib.reshape_and_cache_f32, lib.rotary_embedding_f32):
+        f.restype = ctypes.c_int
+
+
+def _check(status: int) -> None:
+    if status:
+        raise IndexError(f"kernels.cpu: {_ERRORS.get(status, f'error {status}')}")
+
+
+def _profiled(name: str) -> contextlib.AbstractContextManager[object]:
+    """A torch.profiler range around a C call (not an ATen op, so otherwise invisible), only while
+    a profiler runs: record_function is a dispatcher call of a few microseconds even when off."""
+    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
+def _fp32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
+                           num_splits: int = 1) -> torch.Tensor:
+    """`reference.paged_attention_decode`, fp32 caches with head_dim a multiple of 8 in C. `num_splits`
+    only names a GPU work split: it is checked, then ignored (the result does not depend on it)."""
+    lib = load()
+    if (lib is None or not _fp32_cpu(query, key_cache, value_cache) or not key_cache.is_contiguous()
+            or not value_cache.is_contiguous() or query.stride(-1) != 1 or query.shape[-1] % 8):
+        return reference.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                                k_scale, v_scale, num_splits)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    num_seqs, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if cache_head_dim != head_dim or value_cache.shape != key_cache.shape or num_heads % num_kv_heads:
+        raise ValueError(f"query {tuple(query.shape)} and caches {tuple(key_cache.shape)} / "
+                         f"{tuple(value_cache.shape)} disagree")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
+        raise ValueError(f"block_tables must be [{num_seqs}, max_blocks] and seq_lens [{num_seqs}], got "
+                         f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+    tables = block_tables.to(torch.int32)
+    if tables.stride(-1) != 1:
+        tables = tables.contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    # Whole sequences are the best work items (their blocks stream contiguously); cut each one's
+    # KV heads into runs only when there are too few sequences to keep every thread busy.
+    head_splits = min(num_kv_heads, -(-_ITEMS_PER_THREAD * torch.get_num_threads() // max(num_seqs, 1)))
+    with _profiled("kernels.cpu.paged_attention_decode"):
+        status = lib.paged_attention_decode_f32(
+            out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
+            lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, query.stride(0),
+            query.stride(1), tables.stride(0), tables.shape[1], head_splits, scale)
+    _check(status)
+    return out
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, kv_cache_dtype: str = "auto",
+                      k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> None:
+    """`reference.reshape_and_cache`, fp32 caches in C (K/V may be strided views, head_dim contiguous)."""
+    lib = load()
+    if (lib is None or kv_cache_dtype != "auto" or not _fp32_cpu(key, value, key_cache, value_cache)
+            or not key_cache.is_contiguous() or not value_cache.is_contiguous()
+            or key.stride(-1) != 1 or value.stride(-1) != 1):
+        return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
+                                           k_scale, v_scale)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape or key_cache.shape[2:] != key.shape[1:] or value_cache.shape != key_cache.shape:
+        raise ValueError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and caches "
+                         f"{tuple(key_cache.shape)} / {tuple(value_cache.shape)} disagree")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    if slots.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
+    with _profiled("kernels.cpu.reshape_and_cache"):
+        status = lib.reshape_and_cache_f32(
+            key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(),
+            num_tokens, num_kv_heads, head_dim, key_cache.shape[0] * key_cache.shape[1], key.stride(0),
+            key.stride(1), value.stride(0), value.stride(1))
+    _check(status)
+
+
+def _require(lib: ctypes.CDLL | None, *tensors: torch.Tensor) -> ctypes.CDLL:
+    if lib is None:
+        raise RuntimeError(f"kernels.cpu: the C kernels are unavailable: {_load_error}")
+    if not _fp32_cpu(*tensors) or any(t.stride(-1) != 1 for t in tensors):
+        raise ValueError("kernels.cpu elementwise ops take fp32 CPU tensors whose last dimension is contiguous, got "
+                         + ", ".join(f"{t.dtype} {t.device} strides {t.stride()}" for t in tensors))
+    return lib
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2, -1) + eps)) for x [rows, width] (rows may be strided)."""
+    lib = _require(load(), x, weight)
+    rows, width = x.shape
+    out = torch.empty(rows, width, dtype=x.dtype)
+    with _profiled("kernels.cpu.rms_norm"):
+        lib.rms_norm_f32(out.data_ptr(), x.data_ptr(), weight.data_ptr(), rows, width, x.stride(0), eps)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :d]) * x[:, d:] for x [rows, 2d] (rows may be strided): SwiGLU's activation."""
+    lib = _require(load(), x)
+    rows, d = x.shape[0], x.shape[1] // 2
+    out = torch.empty(rows, d, dtype=x.dtype)
+    with _profiled("kernels.cpu.silu_and_mul"):
+        lib.silu_and_mul_f32(out.data_ptr(), x.data_ptr(), rows, d, x.stride(0))
+    return out
+
+
+def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate-half RoPE in place on x [tokens, heads, head_dim] (heads head_dim apart, tokens any stride
+    apart) at `positions`; cos/sin are [max_positions, head_dim / 2] tables."""
+    lib = _require(load(), x, cos, sin)
+    tokens, heads, head_dim = x.shape
+    if x.stride(1) != head_dim or cos.shape != sin.shape or cos.shape[1] * 2 != head_dim or not cos.is_contiguous() \
+            or not sin.is_contiguous():
+        raise ValueError(f"rotary_embedding: x {tuple(x.shape)} strides {x.stride()}, cos {tuple(cos.shape)}, "
+                         f"sin {tuple(sin.shape)} disagree")
+    pos = positions.to(torch.int64).contiguous()
+    if pos.shape != (tokens,):
+        raise ValueError(f"positions must be [{tokens}], got {tuple(positions.shape)}")
+    with _profiled("kernels.cpu.rotary_embedding"):
+        status = lib.rotary_embedding_f32(x.data_ptr(), pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens,
+                                          heads, head_dim, x.stride(0), cos.shape[0])
+    _check(status)

@@ -1,0 +1,28 @@
+/* RMSNorm over rows, fp32: out = weight * (x * rsqrt(mean(x^2) + eps)), in Hugging Face's order of
+ * operations (the normalised row is rounded to fp32 before the weight multiplies it). One pass
+ * over x for the sum of squares, one to write; rows go to OpenMP threads when there are many. */
+#include <math.h>
+#include <stdint.h>
+
+#include "vec8.h"
+
+void rms_norm_f32(float *out, const float *x, const float *weight, int64_t rows, int64_t width, int64_t x_stride,
+                  float eps) {
+    const int64_t body = width / 8 * 8;
+#pragma omp parallel for schedule(static) if (rows * width >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float *o = out + r * width;
+        v8 acc = (v8){0};
+        for (int64_t j = 0; j < body; j += 8) {
+            const v8 v = *(const v8u *)(xr + j);
+            acc += v * v;
+        }
+        float sum = hsum(acc);
+        for (int64_t j = body; j < width; j++) sum += xr[j] * xr[j];
+        const float inv = 1.0f / sqrtf(sum / (float)width + eps);
+        for (int64_t j = 0; j < body; j += 8)
+            *(v8u *)(o + j) = *(const v8u *)(weight + j) * (*(const v8u *)(xr + j) * inv);
+        for (int64_t j = body; j < width; j++) o[j] = weight[j] * (xr[j] * inv);
+    }
+}

@@ -1,0 +1,42 @@
+/* Rotate-half (GPT-NeoX style) RoPE in place, fp32, on x [tokens, heads, head_dim] (token stride
+ * free, heads head_dim apart, head_dim contiguous): with c, s = cos, sin[positions[t]] (tables of
+ * [max_positions, head_dim / 2]), x1, x2 = the two halves of a head,
+ *     x1 <- x1 c - x2 s,    x2 <- x2 c + x1 s.
+ * The table rows are read by position here: no per-step gather of cos/sin. Returns 0, or
+ * KERNELS_CPU_BAD_POSITION when a position lies outside the tables (that token is left as is). */
+#include <stdint.h>
+
+#include "vec8.h"
+
+#define KERNELS_CPU_BAD_POSITION 4
+
+int rotary_embedding_f32(float *x, const int64_t *positions, const float *cos, const float *sin, int64_t tokens,
+                         int64_t heads, int64_t head_dim, int64_t token_stride, int64_t max_positions) {
+    const int64_t half = head_dim / 2, body = half / 8 * 8;
+    int status = 0;
+#pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= 65536)
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t pos = positions[t];
+        if (pos < 0 || pos >= max_positions) {
+#pragma omp atomic write
+            status = KERNELS_CPU_BAD_POSITION;
+            continue;
+        }
+        const float *c = cos + pos * half, *s = sin + pos * half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *x1 = x + t * token_stride + h * head_dim, *x2 = x1 + half;
+            for (int64_t j = 0; j < body; j += 8) {
+                const v8 a = *(v8u *)(x1 + j), b = *(v8u *)(x2 + j);
+                const v8 cj = *(const v8u *)(c + j), sj = *(const v8u *)(s + j);
+                *(v8u *)(x1 + j) = a * cj - b * sj;
+                *(v8u *)(x2 + j) = b * cj + a * sj;
+            }
+            for (int64_t j = body; j < half; j++) {
+                const float a = x1[j], b = x2[j];
+                x1[j] = a * c[j] - b * s[j];
+                x2[j] = b * c[j] + a * s[j];
+            }
+        }
+    }
+    return status;
+}
