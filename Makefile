@@ -47,8 +47,13 @@ test: venv
 
 # The long randomized runs (tens of minutes): 2,000 scheduler examples (hypothesis), 300 random
 # real-model sequences, KeyboardInterrupt at every line every step of a workload runs.
+# A quick pass: make fuzz FUZZ_SCHEDULER_EXAMPLES=200 FUZZ_ENGINE_SEQUENCES=20 FUZZ_INTERRUPT_ALL_LINES=0
+FUZZ_SCHEDULER_EXAMPLES ?= 2000
+FUZZ_ENGINE_SEQUENCES ?= 300
+FUZZ_INTERRUPT_ALL_LINES ?= 1
 fuzz: venv
-	OMP_WAIT_POLICY=PASSIVE FUZZ_SCHEDULER_EXAMPLES=2000 FUZZ_ENGINE_SEQUENCES=300 FUZZ_INTERRUPT_ALL_LINES=1 $(PY) -m pytest -q \
+	OMP_WAIT_POLICY=PASSIVE FUZZ_SCHEDULER_EXAMPLES=$(FUZZ_SCHEDULER_EXAMPLES) FUZZ_ENGINE_SEQUENCES=$(FUZZ_ENGINE_SEQUENCES) \
+		FUZZ_INTERRUPT_ALL_LINES=$(FUZZ_INTERRUPT_ALL_LINES) $(PY) -m pytest -q \
 		tests/test_invariants.py tests/test_engine_fuzz.py tests/test_step_interrupts.py $(PYTEST_ARGS)
 
 demo: venv
