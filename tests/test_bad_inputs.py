@@ -259,10 +259,14 @@ def _lora(name: str = "r8-attn") -> str:
     return str(adapter_path("tiny-llama", name))
 
 
-def _add_lora(request: Any, prompts: Any = None) -> Callable[[LLM], Any]:
-    if prompts is not None:
-        return lambda llm: llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False, lora_request=request)
-    return lambda llm: llm.engine.add_request("x", [5, 6], lora_request=request)
+def _add_with(lora: Callable[[], Any]) -> Callable[[LLM], Any]:
+    """add_request with the lora_request `lora()` gives: made when the case runs, not at collection
+    (an adapter preset is built on first use)."""
+    return lambda llm: llm.engine.add_request("x", [5, 6], lora_request=lora())
+
+
+def _generate_with(prompts: list[list[int]], lora: Callable[[], Any]) -> Callable[[LLM], Any]:
+    return lambda llm: llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False, lora_request=lora())
 
 
 def _lora_request(**kw: Any) -> Callable[[LLM], Any]:
@@ -275,12 +279,12 @@ def _id_reused(llm: LLM) -> None:
 
 
 LORA_CASES: list[tuple[str, Callable[[LLM], Any], str]] = [
-    ("lora-request-str", _add_lora(_lora()), r"lora_request must be a LoRARequest or None, got '/.*' \(str\)"),
-    ("lora-request-int-in-list", _add_lora([LoRARequest("a", 1, _lora()), 7], [[5], [6]]),
+    ("lora-request-str", _add_with(_lora), r"lora_request must be a LoRARequest or None, got '/.*' \(str\)"),
+    ("lora-request-int-in-list", _generate_with([[5], [6]], lambda: [LoRARequest("a", 1, _lora()), 7]),
      r"prompt 1: lora_request must be a LoRARequest or None, got 7 \(int\)"),
-    ("lora-request-count", _add_lora([None], [[5], [6]]), r"lora_request must be one LoRARequest, None, or a list of 2 "
-                                                          r"\(one per prompt\), got 1"),
-    ("lora-request-dict", _add_lora({"lora_path": _lora()}, [[5]]),
+    ("lora-request-count", _generate_with([[5], [6]], lambda: [None]),
+     r"lora_request must be one LoRARequest, None, or a list of 2 \(one per prompt\), got 1"),
+    ("lora-request-dict", _generate_with([[5]], lambda: {"lora_path": _lora()}),
      r"lora_request must be a LoRARequest, a list of them .* or None, got \{'lora_path'"),
     ("lora-name-empty", _lora_request(lora_name=""), r"lora_name must be a non-empty str, got '' \(str\)"),
     ("lora-int-id-zero", _lora_request(lora_int_id=0), r"lora_int_id must be an int >= 1, got 0 \(int\)"),
@@ -290,7 +294,7 @@ LORA_CASES: list[tuple[str, Callable[[LLM], Any], str]] = [
     ("lora-prompt-never-fits", lambda llm: llm.engine.add_request(
         "x", [5] * 1000, SamplingParams(max_tokens=100), lora_request=LoRARequest("new", 7, _lora("r4-mlp"))),
      "request 'x' can never fit"),  # the adapter was good: checked, then not kept
-    ("lora-rank-above-max", _add_lora(LoRARequest("big", 3, _lora("r16-all"))),
+    ("lora-rank-above-max", _add_with(lambda: LoRARequest("big", 3, _lora("r16-all"))),
      r"LoRA adapter 'big' \(lora_path .*\): rank r=16 exceeds max_lora_rank=8; raise max_lora_rank to at least 16"),
 ]
 
@@ -412,7 +416,7 @@ def test_bad_lora_folder(tmp_path, edit, match):
     folder = tmp_path / "adapter"
     shutil.copytree(_lora(), folder)
     edit(folder)
-    _bad_lora_input(_add_lora(LoRARequest("bad", 5, str(folder))), match)
+    _bad_lora_input(_add_with(lambda: LoRARequest("bad", 5, str(folder))), match)
 
 
 @pytest.mark.parametrize("kwargs,match", [c[1:] for c in ENGINE_CASES], ids=[c[0] for c in ENGINE_CASES])
