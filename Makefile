@@ -15,7 +15,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab instructor test demo bench bench-vllm bench-kernels bench-lora bench-lora-gpu fp8-accuracy labs grade clean
+.PHONY: venv lab instructor test fuzz demo bench bench-vllm bench-kernels bench-lora bench-lora-gpu fp8-accuracy labs grade clean
 
 venv: $(STAMP)
 
@@ -44,6 +44,17 @@ grade: venv
 
 test: venv
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The long randomized runs (tens of minutes): 2,000 scheduler examples (hypothesis), 300 random
+# real-model sequences, KeyboardInterrupt at every line every step of a workload runs.
+# A quick pass: make fuzz FUZZ_SCHEDULER_EXAMPLES=200 FUZZ_ENGINE_SEQUENCES=20 FUZZ_INTERRUPT_ALL_LINES=0
+FUZZ_SCHEDULER_EXAMPLES ?= 2000
+FUZZ_ENGINE_SEQUENCES ?= 300
+FUZZ_INTERRUPT_ALL_LINES ?= 1
+fuzz: venv
+	OMP_WAIT_POLICY=PASSIVE FUZZ_SCHEDULER_EXAMPLES=$(FUZZ_SCHEDULER_EXAMPLES) FUZZ_ENGINE_SEQUENCES=$(FUZZ_ENGINE_SEQUENCES) \
+		FUZZ_INTERRUPT_ALL_LINES=$(FUZZ_INTERRUPT_ALL_LINES) $(PY) -m pytest -q \
+		tests/test_invariants.py tests/test_engine_fuzz.py tests/test_step_interrupts.py $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) -m engine_core.demo

@@ -4,6 +4,7 @@ backend, max_model_len, decided once), and the KV cache the model runner sized (
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 
 import kernels
 from engine_core.models.config import LlamaArgs, ModelConfig
+from engine_core.validation import SEED_RANGE, check_bool, check_choice, check_int, check_real, fail
 from kernels.fp8 import KV_CACHE_DTYPES, fp8_dtype
 
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
@@ -20,7 +22,7 @@ _DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bf
 
 def _need(ok: bool, name: str, allowed: str, value: Any) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        fail(name, allowed, value)
 
 
 @dataclass
@@ -69,40 +71,45 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        """Every argument checked for type and range once, here (engine_core.validation's rules)."""
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
         _need(isinstance(self.model, str) and bool(self.model), "model", "a preset name or a model folder", self.model)
-        _need(isinstance(self.block_size, int) and 1 <= self.block_size <= 256, "block_size", "an int in [1, 256]", self.block_size)
-        _need(self.num_gpu_blocks is None or (isinstance(self.num_gpu_blocks, int) and self.num_gpu_blocks >= 1),
-              "num_gpu_blocks", "None or an int >= 1", self.num_gpu_blocks)
-        _need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
-        _need(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
-              "kv_cache_memory_bytes", "None or > 0", self.kv_cache_memory_bytes)
-        _need(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
-              "max_model_len", "None or an int >= 1", self.max_model_len)
-        _need(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs", "an int >= 1", self.max_num_seqs)
-        _need(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1,
-              "max_num_batched_tokens", "an int >= 1", self.max_num_batched_tokens)
-        _need(isinstance(self.long_prefill_token_threshold, int) and self.long_prefill_token_threshold >= 0,
-              "long_prefill_token_threshold", "an int >= 0 (0 = off)", self.long_prefill_token_threshold)
-        _need(self.preemption_mode in _PREEMPTION_MODES, "preemption_mode", f"one of {_PREEMPTION_MODES}", self.preemption_mode)
-        _need(self.swap_space >= 0, "swap_space", ">= 0 (GiB)", self.swap_space)
+        self.block_size = check_int("block_size", self.block_size, 1, 256)
+        self.num_gpu_blocks = check_int("num_gpu_blocks", self.num_gpu_blocks, 1, optional=True)
+        self.gpu_memory_utilization = check_real("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0,
+                                                 lo_open=True)
+        self.kv_cache_memory_bytes = check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
+        self.max_model_len = check_int("max_model_len", self.max_model_len, 1, optional=True)
+        self.max_num_seqs = check_int("max_num_seqs", self.max_num_seqs, 1)
+        self.max_num_batched_tokens = check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "calculate_kv_scales", "enforce_eager"):
+            setattr(self, name, check_bool(name, getattr(self, name)))
+        self.long_prefill_token_threshold = check_int("long_prefill_token_threshold",
+                                                      self.long_prefill_token_threshold, 0, hint="0 = off")
+        self.preemption_mode = check_choice("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
+        self.swap_space = check_real("swap_space", self.swap_space, 0.0, hint="GiB")
         for name in ("prefill_flops_per_s", "swap_bandwidth_bytes_per_s"):
-            v = getattr(self, name)
-            _need(v is None or v > 0, name, "None or > 0", v)
-        _need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"one of {KV_CACHE_DTYPES}", self.kv_cache_dtype)
+            setattr(self, name, check_real(name, getattr(self, name), 0.0, lo_open=True, optional=True))
+        self.kv_cache_dtype = check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         self._check_kv_scales()
-        _need(isinstance(self.max_loras, int) and self.max_loras >= 1, "max_loras", "an int >= 1", self.max_loras)
-        _need(isinstance(self.max_lora_rank, int) and self.max_lora_rank >= 1, "max_lora_rank", "an int >= 1", self.max_lora_rank)
-        _need(isinstance(self.enable_lora, bool), "enable_lora", "a bool", self.enable_lora)
-        _need(self.max_cpu_loras is None
-              or (isinstance(self.max_cpu_loras, int) and self.max_cpu_loras >= self.max_loras),
-              "max_cpu_loras", f"None or an int >= max_loras={self.max_loras}", self.max_cpu_loras)
-        _need(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
-              "tensor_parallel_size", "an int >= 1", self.tensor_parallel_size)
-        _need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+        self.enable_lora = check_bool("enable_lora", self.enable_lora)
+        self.max_loras = check_int("max_loras", self.max_loras, 1, hint="GPU slots: distinct adapters running at once")
+        self.max_lora_rank = check_int("max_lora_rank", self.max_lora_rank, 1)
+        self.max_cpu_loras = check_int("max_cpu_loras", self.max_cpu_loras, self.max_loras, optional=True,
+                                       hint=f"max_loras={self.max_loras}: the host cache holds every slot's adapter; "
+                                            f"None = max_loras")
+        self.tensor_parallel_size = check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: the engine runs "
+                             f"on one device; use tensor_parallel_size=1")
+        if isinstance(self.device, torch.device):
+            self.device = str(self.device)
+        _need(isinstance(self.device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
               "device", "'auto', 'cpu', 'cuda' or 'cuda:N'", self.device)
-        _need(self.dtype in _DTYPES, "dtype", f"one of {tuple(_DTYPES)}", self.dtype)
-        _need(self.attention_backend in _ATTENTION_BACKENDS, "attention_backend", f"one of {_ATTENTION_BACKENDS}",
-              self.attention_backend)
+        self.dtype = check_choice("dtype", self.dtype, _DTYPES)
+        self.attention_backend = check_choice("attention_backend", self.attention_backend, _ATTENTION_BACKENDS)
+        self.seed = check_int("seed", self.seed, *SEED_RANGE)
 
     def _check_kv_scales(self) -> None:
         """The fp8 scale options: booleans, a path that exists, one source at a time, an fp8 cache for any."""
@@ -164,6 +171,9 @@ class ResolvedConfig:
         device = config.torch_device
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device must be 'cpu' or 'auto' on a machine without CUDA, got {config.device!r}")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device must name one of the {torch.cuda.device_count()} CUDA device(s), "
+                             f"got {config.device!r}")
         max_model_len = _resolve_max_model_len(config.max_model_len, model.args)
         model.args.check_max_model_len(max_model_len)
         return cls._of(config, device, config.torch_dtype(model.checkpoint_dtype), max_model_len)

@@ -5,22 +5,32 @@ EngineConfig once (`ResolvedConfig`), let the model runner load the weights and 
 (`KVCacheConfig`), allocate it, then build the Scheduler with its preemption cost model. Every
 add_request check runs before any state changes, so a bad request is rejected without disturbing
 the others.
+
+The engine is single-threaded, checked (engine_core.guard): a second thread, or a call from
+inside a step, gets EngineBusyError; only `abort_request` may come from any thread. A request
+whose forward raises or whose logits are NaN finishes with finish_reason "error" and the others
+go on. A step is all-or-nothing: Ctrl-C is held until it ends (engine_core.interrupts), and a
+step that raises part-way is rolled back to a consistent state (`Scheduler.requeue_for_recompute`).
 """
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from typing import Any
 
 from engine_core.config import EngineConfig, KVCacheConfig, ResolvedConfig
 from engine_core.core.cost_model import PreemptionCostModel
 from engine_core.core.scheduler import Scheduler
+from engine_core.guard import ThreadGuard, guarded
+from engine_core.lora.adapter import LoRAAdapter
 from engine_core.lora.request import LoRARequest
 from engine_core.metrics import StepInfo
 from engine_core.models.config import ModelConfig
+from engine_core.prompts import PromptType, parse_prompt
 from engine_core.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
+from engine_core.validation import check_int, check_real, fail
 from engine_core.worker.model_runner import ModelRunner
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -34,8 +44,13 @@ class LLMEngine:
             config.prefill_flops_per_s, config.swap_bandwidth_bytes_per_s)
         self.scheduler = Scheduler(self.config, self.kv_cache_config, self.cost_model)
         self.tokenizer = self.model_config.load_tokenizer()
-        self.requests: dict[str, tuple[Request, str | None]] = {}  # unfinished: request, prompt text
+        # request id -> (request, prompt text) until its final output is returned (aborted: at once)
+        self.requests: dict[str, tuple[Request, str | None]] = {}
         self.last_step = StepInfo()
+        self.guard = ThreadGuard()
+        self.num_aborted = 0  # requests aborted so far: LLM.generate notices aborts made elsewhere
+        self._pending_aborts: deque[str] = deque()  # abort_request while busy: applied at a step boundary
+        self._report_stragglers = False  # a step failed: finished requests it did not report are in self.requests
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "LLMEngine":
@@ -46,104 +61,172 @@ class LLMEngine:
         return self.model_config.args.vocab_size
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+    @guarded("add_request()")
+    def add_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None,
                     lora_request: LoRARequest | None = None) -> Request:
-        """Validate, then queue. Raises ValueError naming the parameter; nothing changes on error
-        (an adapter folder checked on the way stays in the host cache, a cache of good folders)."""
+        """Validate, then queue. Raises ValueError naming the parameter; nothing changes on error (an
+        adapter is read and checked first, and joins the host cache only with its queued request).
+        `sampling_params` is checked again and copied: changing it later does not reach this request."""
+        self._apply_pending_aborts()
         if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+            fail("request_id", "a non-empty str", request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-        params = SamplingParams() if sampling_params is None else sampling_params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams or None, got {type(params).__name__}")
-        token_ids = self._tokenize(prompt)
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            fail("sampling_params", "a SamplingParams or None", sampling_params)
+        params = dataclasses.replace(sampling_params or SamplingParams())  # re-runs every check
+        priority = check_int("priority", priority, hint="lower = served first")
+        arrival_time = check_real("arrival_time", arrival_time, optional=True)
+        text, token_ids = self._tokenize(prompt)
         limit = self.config.max_model_len
         if len(token_ids) + 1 > limit:
             raise ValueError(f"prompt has {len(token_ids)} tokens; with the first generated token it must fit "
                              f"max_model_len={limit}, so at most {limit - 1} prompt tokens are allowed")
-        lora_id = self._check_lora(lora_request)
+        adapter = self._check_lora(lora_request)
         eos = self.model_config.eos_token_ids
         if not params.ignore_eos and len(eos) > 1:  # extra EOS ids stop like stop tokens
-            params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + list(eos[1:]))
+            params.stop_token_ids += list(eos[1:])
         request = Request(request_id, token_ids, params, eos_token_id=eos[0] if eos else None,
-                          arrival_time=arrival_time, priority=priority, lora_id=lora_id)
+                          arrival_time=arrival_time, priority=priority,
+                          lora_id=None if adapter is None else adapter.lora_int_id)
         self.scheduler.add_request(request)  # may reject (never fits the KV cache) before queuing
-        self.requests[request_id] = (request, prompt if isinstance(prompt, str) else None)
+        if adapter is not None:
+            self.runner.lora.remember(lora_request, adapter)
+        self.requests[request_id] = (request, text)
         return request
 
+    @guarded("add_lora()")
     def add_lora(self, lora_request: LoRARequest) -> None:
         """vLLM's `add_lora`: check an adapter folder and load it into the host cache ahead of its requests."""
-        self._check_lora(lora_request)
+        if not isinstance(lora_request, LoRARequest):
+            fail("lora_request", "a LoRARequest", lora_request)
+        self.runner.lora.remember(lora_request, self._check_lora(lora_request))
 
-    def _check_lora(self, lora_request: LoRARequest | None) -> int | None:
-        """The adapter's id once its folder passed every check (see engine_core.lora.adapter)."""
+    def _check_lora(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
+        """The adapter, read and checked (engine_core.lora.adapter) but not yet remembered: a request
+        rejected after this leaves the LoRA state as it was."""
         if lora_request is None:
             return None
         if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
+            fail("lora_request", "a LoRARequest or None", lora_request)
         if self.runner.lora is None:
             raise ValueError(f"lora_request {lora_request.lora_name!r} given, but the engine was built with "
                              f"enable_lora=False; pass enable_lora=True (with max_loras, max_lora_rank) to serve "
                              f"adapters")
-        self.runner.lora.add_lora(lora_request)
-        return lora_request.lora_int_id
+        return self.runner.lora.check(lora_request)
 
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids in [0, vocab_size))."""
+        text, token_ids = parse_prompt(prompt)
+        if text is not None:
             if self.tokenizer is None:
                 raise ValueError(f"prompt is text but model folder {str(self.model_config.path)!r} has no tokenizer; "
                                  f"pass a list of token ids")
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            token_ids = list(prompt)
-        else:
-            raise ValueError(f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}")
+            try:
+                token_ids = list(self.tokenizer.encode(text))
+            except Exception as e:  # a lone surrogate: TypeError or a Rust exception from `tokenizers`
+                raise ValueError(f"prompt text cannot be tokenized: {type(e).__name__}: {e}") from None
         if not token_ids:
             raise ValueError("prompt must have at least 1 token, got an empty prompt")
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt token ids must be in [0, vocab_size={self.vocab_size}), got {bad}")
-        return token_ids
+        return text, token_ids
 
-    def abort_request(self, request_id: str) -> None:
-        """Finish the request as aborted and free its blocks; unknown or finished ids are ignored."""
-        if self.requests.pop(request_id, None) is not None:
+    def _queue_abort(self, request_id: str | list[str]) -> None:
+        self._pending_aborts.extend(_checked_ids(request_id))
+
+    @guarded("abort_request()", when_busy=_queue_abort)
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Finish the request(s) as aborted and free their blocks; unknown or finished ids are ignored,
+        and no output is returned for them. Safe from any thread: while the engine is busy (a step in
+        another thread, or a call from inside a step) the aborts are queued and applied when the step
+        ends."""
+        for rid in _checked_ids(request_id):
+            self._abort(rid)
+
+    def _abort(self, request_id: str) -> None:
+        if request_id in self.requests:  # forgotten last, so a half-done abort is finished by a later step
             self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
             self.runner.remove_requests([request_id])
+            self.num_aborted += 1
+            del self.requests[request_id]
+
+    def _apply_pending_aborts(self) -> None:
+        while self._pending_aborts:
+            self._abort(self._pending_aborts.popleft())
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a request is queued or running, or has a final output not yet returned."""
+        return self.scheduler.has_unfinished_requests() or bool(self.requests) or bool(self._pending_aborts)
 
     # ---- one step ------------------------------------------------------------------------
+    @guarded("step()")
     def step(self) -> list[RequestOutput]:
         """Schedule, run the forward, sample, update. Returns an output for every request that got
-        a token this step (finished ones have `.finished` and, with a tokenizer, `.outputs[0].text`)."""
+        a token this step (finished ones have `.finished` and, with a tokenizer, `.outputs[0].text`),
+        and for every request whose step failed (finish_reason "error", `.error` says why).
+
+        All-or-nothing: Ctrl-C waits for the step to end; an exception or interrupt part-way rolls the
+        scheduler back to a consistent state (every running request is recomputed from its tokens) and
+        propagates, its outputs unreturned; the next step reports requests it had finished."""
+        self._apply_pending_aborts()
+        try:
+            outputs = self._step()
+        except BaseException:
+            self._recover()
+            raise
+        self._apply_pending_aborts()  # those that came from inside the step
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         before = self.scheduler.make_stats()
         scheduled = self.scheduler.schedule()
-        sampled = self.runner.execute_model(scheduled)
-        got = self.scheduler.update_from_output(scheduled, sampled)
-        outputs = [self._output(r) for r in got]
-        finished = [r.request_id for r in got if r.is_finished]
-        for rid in finished:
-            self.requests.pop(rid, None)
+        result = self.runner.execute_model(scheduled)
+        failed = [self._fail(rid, why) for rid, why in result.failed.items()]
+        got = self.scheduler.update_from_output(scheduled, result.sampled)
+        reported = failed + got
+        if self._report_stragglers:  # finished by a failed step, not yet reported
+            self._report_stragglers = False
+            reported = [r for r, _ in self.requests.values() if r.is_finished and r not in reported] + reported
+        outputs = [self.make_output(r, self.requests.get(r.request_id, (r, None))[1]) for r in reported]
+        finished = [r.request_id for r in reported if r.is_finished]
         self.runner.remove_requests(finished)
         counters = self.scheduler.counters
         counters.num_steps += 1
         counters.step_time_s += time.perf_counter() - t0
         self.last_step = StepInfo.between(before, self.scheduler.make_stats(), len(scheduled.scheduled))
+        for rid in finished:  # last: a request leaves self.requests when its final output is returned
+            self.requests.pop(rid, None)
         return outputs
 
-    def _output(self, request: Request) -> RequestOutput:
-        prompt = self.requests[request.request_id][1] if request.request_id in self.requests else None
+    def _fail(self, request_id: str, why: str) -> Request:
+        """Finish a request whose step failed (before update_from_output, which then skips it)."""
+        request = self.scheduler.requests[request_id]
+        request.error = why
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+        self.scheduler.counters.num_failed_requests += 1
+        return request
+
+    def _recover(self) -> None:
+        """After a step raised part-way: every unfinished request requeued to be recomputed, holding no
+        blocks (Scheduler.requeue_for_recompute), the runner's block tables and adapter slots forgotten to
+        match, and the requests the step finished but did not report left for the next step to report."""
+        self.scheduler.requeue_for_recompute()
+        self.runner.forget_all_requests()
+        self.scheduler.counters.num_failed_steps += 1
+        self._report_stragglers = True
+
+    def make_output(self, request: Request, prompt: str | None = None) -> RequestOutput:
+        """The request's output now: tokens so far; on finishing, the text (decoded once) and why."""
         text = None
         if request.is_finished and self.tokenizer is not None:  # decode once, at the end
             text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
         completion = CompletionOutput(0, list(request.output_token_ids), text, request.status.finish_reason)
         return RequestOutput(request.request_id, prompt, request.prompt_token_ids, [completion], request.is_finished,
-                             request.metrics, request.num_cached_tokens)
+                             request.metrics, request.num_cached_tokens, request.error)
 
     def stats(self) -> dict[str, float]:
         """The engine's numbers now (engine_core.metrics.stat_docs() says what each means)."""
@@ -152,3 +235,11 @@ class LLMEngine:
     def prometheus_metrics(self) -> str:
         """The same numbers in Prometheus' text format, with vLLM's metric names and histograms."""
         return self.scheduler.make_stats().to_prometheus()
+
+
+def _checked_ids(request_id: Any) -> list[str]:
+    """vLLM's abort_request argument: one id or a list (tuple, set) of ids."""
+    ids = [request_id] if isinstance(request_id, str) else request_id
+    if not isinstance(ids, (list, tuple, set)) or not all(isinstance(r, str) for r in ids):
+        fail("request_id", "a str or a list of str", request_id)
+    return list(ids)

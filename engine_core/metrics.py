@@ -71,6 +71,8 @@ class Stats:
     num_decode_tokens: int = _stat("decode tokens computed: the single token of a one-token chunk of a request "
                                    "that already has output", "vllm:generation_tokens_total")
     num_finished_requests: int = _stat("requests that finished or were aborted")
+    num_failed_requests: int = _stat("of those, requests finished with an error (finish_reason 'error')")
+    num_failed_steps: int = _stat("steps that raised and were rolled back (their requests recomputed)")
     num_steps: int = _stat("engine steps run")
     num_generated_tokens: int = _stat("tokens sampled and appended to a request's output")
     step_time_s: float = _stat("wall seconds spent in engine steps", default=0.0)

@@ -10,7 +10,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
+from engine_core.validation import SEED_RANGE, check_bool, check_int, check_int_list, check_real
 
 
 class RequestStatus(enum.IntEnum):
@@ -21,6 +21,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 4  # EOS or a stop token
     FINISHED_LENGTH_CAPPED = 5  # max_tokens or max_model_len
     FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7  # its step raised (a fault in its forward, NaN logits): see Request.error
 
     @property
     def is_finished(self) -> bool:
@@ -32,12 +33,20 @@ class RequestStatus(enum.IntEnum):
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH_CAPPED: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
         }.get(self)
+
+
+# Temperatures below this sample greedily (vLLM's _SAMPLING_EPS): logits / T would overflow to inf
+# and the softmax to NaN long before T reaches 0.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy; seed makes sampling reproducible per request."""
+    """How to pick tokens. temperature 0 (below 1e-5) is greedy; seed makes sampling reproducible
+    per request. Checked when built and again (on a copy) when a request is added, so a field
+    changed in between is caught before it reaches a step."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -48,21 +57,17 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int >= 1, or 0 / -1 for off, got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
-        self.stop_token_ids = list(self.stop_token_ids)
+        self.max_tokens = check_int("max_tokens", self.max_tokens, 1)
+        self.temperature = check_real("temperature", self.temperature, 0.0, hint="0 = greedy")
+        self.top_k = check_int("top_k", self.top_k, -1, hint="0 or -1 = off")
+        self.top_p = check_real("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        self.seed = check_int("seed", self.seed, *SEED_RANGE, optional=True)
+        self.stop_token_ids = check_int_list("stop_token_ids", self.stop_token_ids, 0)
+        self.ignore_eos = check_bool("ignore_eos", self.ignore_eos)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass
@@ -112,9 +117,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.num_preemptions = 0
         self.metrics = RequestMetrics(arrival_time=time.monotonic() if arrival_time is None else arrival_time)
-        self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(sampling_params.seed)
+        self.error: str | None = None  # why it finished with FINISHED_ERROR
 
     @property
     def arrival_time(self) -> float:
@@ -180,3 +183,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    error: str | None = None  # with finish_reason "error": what failed, naming the request

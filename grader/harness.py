@@ -20,7 +20,7 @@ grader/seams.py), so moving an engine file is a handful of lines.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -38,7 +38,7 @@ from engine_core.request import Request, RequestStatus, SamplingParams
 from engine_core.worker.kv_cache import KVCache
 
 __all__ = ["GPUS", "LLM", "BlockHash", "BlockPool", "EngineConfig", "EngineRun", "FakeRunner", "KVCache",
-           "KVCacheBlock", "KVCacheManager", "LLMEngine", "build_manager", "build_pool", "ModelSpec", "Request", "RequestStatus", "SamplingParams",
+           "KVCacheBlock", "KVCacheManager", "LLMEngine", "build_manager", "build_pool", "check_invariants", "ModelSpec", "Request", "RequestStatus", "SamplingParams",
            "ScheduledChunk", "Scheduler", "SchedulerOutput", "TINY_SPEC", "held_blocks", "make_engine",
            "make_request", "make_scheduler", "memory", "reference_output", "run_engine", "run_to_completion", "step"]
 
@@ -271,3 +271,49 @@ def run_engine(waves: Sequence[Wave], *, model: str = "tiny-llama", steps_per_wa
     while engine.has_unfinished_requests():
         one_step()
     return EngineRun(tokens, cached, engine.stats(), engine)
+
+
+def check_invariants(sched: Scheduler) -> None:
+    """The scheduler's state between steps, whole: a GPU block's ref count equals the number of
+    block tables holding it, and it sits in the free queue exactly when that is 0; a block in two
+    tables is a cached full block at the same position of two requests with the same token prefix
+    (and LoRA); the prefix-cache map points at blocks carrying that hash; CPU blocks belong to
+    swapped requests only, once each; each request sits in the one queue its status names; a
+    running request has tokens left to compute; at most max_num_seqs run."""
+    kvm = sched.kv_cache_manager
+    holders: Counter = Counter()
+    where: dict = {}
+    for rid, table in kvm.req_to_blocks.items():
+        for i, b in enumerate(table):
+            holders[b.block_id] += 1
+            where.setdefault(b.block_id, []).append((rid, i))
+    for b in kvm.block_pool.blocks:
+        assert b.ref_cnt == holders[b.block_id], f"{b}: held by {where.get(b.block_id)}"
+        assert (b.ref_cnt == 0) == (b.block_id in kvm.block_pool.free_queue), b
+    bs = kvm.block_size
+    for block_id, places in where.items():
+        if len(places) > 1:
+            block = kvm.block_pool.blocks[block_id]
+            assert block.block_hash is not None, f"block {block_id} shared without a hash: {places}"
+            (r0, i0), rest = places[0], places[1:]
+            prefix0 = sched.requests[r0].all_token_ids[:(i0 + 1) * bs]
+            for r, i in rest:
+                assert i == i0 and sched.requests[r].all_token_ids[:(i + 1) * bs] == prefix0
+                assert sched.requests[r].lora_id == sched.requests[r0].lora_id
+            assert block.block_hash.token_ids == tuple(prefix0[-bs:])
+    for h, b in kvm.block_pool.cached_blocks.items():
+        assert b.block_hash == h
+    cpu_holders = Counter(b.block_id for t in kvm.req_to_cpu_blocks.values() for b in t)
+    for b in kvm.cpu_block_pool.blocks:
+        assert b.ref_cnt == cpu_holders[b.block_id] <= 1
+        assert (b.ref_cnt == 0) == (b.block_id in kvm.cpu_block_pool.free_queue), b
+    assert {r.status for r in sched.running} <= {RequestStatus.RUNNING}
+    assert {r.status for r in sched.swapped} <= {RequestStatus.SWAPPED}
+    assert {r.status for r in sched.waiting} <= {RequestStatus.WAITING, RequestStatus.PREEMPTED}
+    queued = [r.request_id for q in (sched.running, sched.waiting, sched.swapped) for r in q]
+    assert sorted(queued) == sorted(sched.requests), f"queued {sorted(queued)}, known {sorted(sched.requests)}"
+    assert all(sched.requests[r.request_id] is r for r in [*sched.running, *sched.waiting, *sched.swapped])
+    assert set(kvm.req_to_cpu_blocks) <= {r.request_id for r in sched.swapped}
+    assert set(kvm.req_to_blocks) <= {r.request_id for r in sched.running}
+    assert all(r.num_computed_tokens < r.num_tokens for r in sched.running), sched.running
+    assert len(sched.running) <= sched.max_num_seqs

@@ -38,7 +38,7 @@ def _pool_is_whole(engine: LLMEngine) -> bool:
     (dict(prompt=[-1]), r"\[0, vocab_size=512\), got -1"),
     (dict(prompt=[5], request_id="good"), "request_id 'good' is already in use"),
     (dict(prompt=[5] * 1000, sampling_params=SamplingParams(max_tokens=100)), "can never fit"),
-    (dict(prompt=[5.0]), "prompt must be a str or a list of int"),
+    (dict(prompt=[5.0]), r"prompt\[0\] must be an int, got 5.0 \(float\)"),
 ])
 def test_bad_request_is_rejected_before_any_state_change(kwargs, match):
     engine = _engine()
@@ -56,9 +56,9 @@ def test_bad_request_is_rejected_before_any_state_change(kwargs, match):
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_tokens=0), "max_tokens must be an int >= 1"),
-    (dict(temperature=-0.1), "temperature must be >= 0"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(temperature=-0.1), "temperature must be a finite number >= 0"),
+    (dict(top_p=0.0), r"top_p must be a finite number in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be a finite number in \(0, 1\]"),
 ])
 def test_bad_sampling_params_name_the_parameter(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -102,6 +102,16 @@ def test_abort_frees_blocks_running_and_waiting():
     assert not engine.has_unfinished_requests()
     assert engine.step() == []
     assert engine.stats()["num_finished_requests"] == 2
+
+
+def test_abort_takes_a_list_of_ids_as_in_vllm():
+    engine = _engine()
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, [5, 6, 7], SamplingParams(max_tokens=4, **GREEDY))
+    engine.step()
+    engine.abort_request(["a", "c", "unknown"])
+    assert list(engine.requests) == ["b"] and list(_run(engine)) == ["b"]
+    assert _pool_is_whole(engine) and engine.stats()["num_finished_requests"] == 3
 
 
 def test_abort_mid_workload_leaves_others_intact():

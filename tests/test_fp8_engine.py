@@ -133,7 +133,7 @@ def test_no_scales_anywhere_means_scale_one():
     (dict(calculate_kv_scales=True), "calculate_kv_scales must be unset with kv_cache_dtype='auto'"),
     (dict(kv_cache_dtype="fp8", kv_cache_scales="/no/such/file.json"),
      "kv_cache_scales must be None or the path of an existing scales file"),
-    (dict(kv_cache_dtype="fp8", calculate_kv_scales="yes"), "calculate_kv_scales must be a bool"),
+    (dict(kv_cache_dtype="fp8", calculate_kv_scales="yes"), "calculate_kv_scales must be True or False"),
 ])
 def test_bad_fp8_arguments_name_the_parameter(scales_file, kwargs, message):
     kwargs = {k: str(scales_file) if v == "SCALES" else v for k, v in kwargs.items()}

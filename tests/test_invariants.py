@@ -1,18 +1,16 @@
 """Property-based (hypothesis, stateful): random add / step / abort sequences over random configs.
 
-Invariants after every rule: a GPU block's ref count equals the number of block tables holding
-it, and it sits in the free queue exactly when that is 0; a block in two tables is a cached
-full block at the same position of two requests with the same token prefix (and LoRA); the
-prefix-cache map points at blocks carrying that hash; CPU blocks belong to swapped requests
-only; each request sits in the queue its status names. At the end every request finishes with
-exactly its cache-free reference output (or was aborted) and every GPU and CPU block is free.
+After every rule the scheduler's state is whole (`grader.harness.check_invariants`: ref counts,
+the free queue, shared blocks, the prefix-cache map, CPU blocks, queues against statuses). At the
+end every request finishes with exactly its cache-free reference output (or was aborted) and
+every GPU and CPU block is free. FUZZ_SCHEDULER_EXAMPLES sets the number of examples.
 """
-from collections import Counter
+import os
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from grader.harness import EOS, FakeRunner, make_request, make_scheduler, reference_output
+from grader.harness import EOS, FakeRunner, check_invariants, make_request, make_scheduler, reference_output
 
 from engine_core.core.kv_cache_manager import cdiv
 from engine_core.request import RequestStatus
@@ -78,44 +76,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.aborted.add(rid)
 
     @invariant()
-    def blocks_are_consistent(self):
-        kvm = self.sched.kv_cache_manager
-        holders = Counter()
-        where: dict = {}
-        for rid, table in kvm.req_to_blocks.items():
-            for i, b in enumerate(table):
-                holders[b.block_id] += 1
-                where.setdefault(b.block_id, []).append((rid, i))
-        for b in kvm.block_pool.blocks:
-            assert b.ref_cnt == holders[b.block_id], f"{b}: held by {where.get(b.block_id)}"
-            assert (b.ref_cnt == 0) == (b.block_id in kvm.block_pool.free_queue), b
-        bs = kvm.block_size
-        for block_id, places in where.items():
-            if len(places) > 1:
-                block = kvm.block_pool.blocks[block_id]
-                assert block.block_hash is not None, f"block {block_id} shared without a hash: {places}"
-                (r0, i0), rest = places[0], places[1:]
-                prefix0 = self.sched.requests[r0].all_token_ids[:(i0 + 1) * bs]
-                for r, i in rest:
-                    assert i == i0 and self.sched.requests[r].all_token_ids[:(i + 1) * bs] == prefix0
-                    assert self.sched.requests[r].lora_id == self.sched.requests[r0].lora_id
-                assert block.block_hash.token_ids == tuple(prefix0[-bs:])
-        for h, b in kvm.block_pool.cached_blocks.items():
-            assert b.block_hash == h
-        cpu_holders = Counter(b.block_id for t in kvm.req_to_cpu_blocks.values() for b in t)
-        for b in kvm.cpu_block_pool.blocks:
-            assert b.ref_cnt == cpu_holders[b.block_id] <= 1
-
-    @invariant()
-    def queues_match_statuses(self):
-        s = self.sched
-        assert {r.status for r in s.running} <= {RequestStatus.RUNNING}
-        assert {r.status for r in s.swapped} <= {RequestStatus.SWAPPED}
-        assert {r.status for r in s.waiting} <= {RequestStatus.WAITING, RequestStatus.PREEMPTED}
-        queued = [r.request_id for q in (s.running, s.waiting, s.swapped) for r in q]
-        assert sorted(queued) == sorted(s.requests)
-        assert set(s.kv_cache_manager.req_to_cpu_blocks) <= {r.request_id for r in s.swapped}
-        assert len(s.running) <= s.max_num_seqs
+    def state_is_consistent(self):
+        check_invariants(self.sched)
 
     def teardown(self):
         if not hasattr(self, "sched"):
@@ -139,5 +101,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 TestSchedulerInvariants = SchedulerMachine.TestCase
-TestSchedulerInvariants.settings = settings(max_examples=250, stateful_step_count=30, deadline=None,
+# `make fuzz` sets FUZZ_SCHEDULER_EXAMPLES to thousands; `make test` keeps the default.
+TestSchedulerInvariants.settings = settings(max_examples=int(os.environ.get("FUZZ_SCHEDULER_EXAMPLES", "250")),
+                                            stateful_step_count=30, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])

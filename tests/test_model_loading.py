@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from engine_helpers import one_torch_thread
 from safetensors.torch import load_file, save_file
 
 from engine_core import LLM, SamplingParams
@@ -153,3 +154,33 @@ def test_tied_embeddings_share_the_lm_head():
 def test_max_model_len_beyond_the_checkpoint_is_refused():
     with pytest.raises(ValueError, match="max_model_len must be <= the checkpoint's max_position_embeddings=2048"):
         LLM("tiny-llama", max_model_len=4096, num_gpu_blocks=8)
+
+
+@pytest.mark.usefixtures(one_torch_thread.__name__)
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-llama-bias"])
+def test_the_checked_shapes_are_the_tensors_the_decoder_reads(tmp_path, monkeypatch, name):
+    """check_weights compares config.json with the headers using LlamaArgs.weight_shapes: it must
+    name exactly the tensors models/llama.py reads, with the shapes they have."""
+    from engine_core.models.config import ModelConfig
+    from engine_core.models.loader import CheckpointReader
+
+    if name == "tiny-llama-bias":
+        monkeypatch.setitem(PRESETS, name, Preset("LlamaConfig", dict(_TINY, attention_bias=True, mlp_bias=True)))
+        build_preset(name, tmp_path / name)
+        folder = tmp_path / name
+    else:
+        folder = preset_path(name)
+    read: dict[str, tuple[int, ...]] = {}
+    get = CheckpointReader.get
+
+    def recording_get(reader: CheckpointReader, tensor_name: str) -> torch.Tensor:
+        tensor = get(reader, tensor_name)
+        read[tensor_name] = tuple(tensor.shape)
+        return tensor
+
+    monkeypatch.setattr(CheckpointReader, "get", recording_get)
+    LLM(str(folder), device="cpu", num_gpu_blocks=8)
+    shapes = ModelConfig.load(str(folder)).args.weight_shapes()
+    if "lm_head.weight" not in read:  # tied: the LM head is the embedding
+        del shapes["lm_head.weight"]
+    assert read == shapes

@@ -62,13 +62,32 @@ def test_mixed_batch_greedy_rows_stay_greedy():
 
 def test_seeded_row_is_independent_of_its_neighbours():
     logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(5))
-    alone = [Request("s", [1], SamplingParams(temperature=1.0, seed=7))]
-    crowd = (_reqs(2, temperature=1.0) + [Request("s", [1], SamplingParams(temperature=1.0, seed=7))]
-             + _reqs(2, temperature=0.5, seed=9))
-    a = [Sampler(0)(logits[2:3], alone)[0] for _ in range(10)]
-    b = [Sampler(123)(logits, crowd)[2] for _ in range(10)]
+    alone = Request("s", [1], SamplingParams(temperature=1.0, seed=7))
+    crowd = _reqs(2, temperature=1.0) + [Request("s", [1], SamplingParams(temperature=1.0, seed=7))] \
+        + _reqs(2, temperature=0.5, seed=9)
+    a, b = [], []
+    for _ in range(10):  # ten positions: each token is appended before the next draw
+        a.append(Sampler(0)(logits[2:3], [alone])[0])
+        b.append(Sampler(123)(logits, crowd)[2])
+        alone.output_token_ids.append(a[-1])
+        crowd[2].output_token_ids.append(b[-1])
     assert a == b
     assert len(set(a)) > 1, "10 draws at temperature 1 over 64 tokens should not all be equal"
+
+
+def test_a_seeded_draw_depends_only_on_seed_and_position():
+    """So a request recomputed after preemption, or after a step that failed before its token was
+    appended, draws exactly the token an uninterrupted run draws."""
+    logits = torch.randn(1, 64, generator=torch.Generator().manual_seed(6))
+    request = Request("s", [1], SamplingParams(temperature=1.0, seed=7))
+    twin = Request("t", [1, 2, 3], SamplingParams(temperature=1.0, seed=7))  # another id and prompt, same seed
+    sampler = Sampler(0)
+    for _ in range(8):
+        again = {sampler(logits, [request])[0] for _ in range(3)}  # a draw repeated at one position
+        assert len(again) == 1
+        request.output_token_ids.append(again.pop())
+        twin.output_token_ids.append(Sampler(99)(logits, [twin])[0])
+    assert request.output_token_ids == twin.output_token_ids and len(set(request.output_token_ids)) > 1
 
 
 def test_seeded_requests_give_the_same_tokens_whatever_shares_the_batch():

@@ -118,6 +118,22 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_blocks[block_hash] = block
 
+    def release_all(self, tail_first: Iterable[KVCacheBlock] = ()) -> None:
+        """Make every block free, whatever state an interrupted operation left the ref counts, the free
+        queue and the hash map in (recovery after a failed step; not a seam). Blocks not yet in the free
+        queue join its tail, `tail_first` in that order, then the rest by id. A block keeps its cached
+        hash only where the map points at it, so the map and the blocks agree again."""
+        for block in [*tail_first, *self.blocks]:
+            block.ref_cnt = 0
+            if block.block_id not in self.free_queue:
+                self.free_queue[block.block_id] = block
+        for block in self.blocks:
+            if block.block_hash is not None and self.cached_blocks.get(block.block_hash) is not block:
+                block.block_hash = None
+        for block_hash, block in list(self.cached_blocks.items()):
+            if block.block_hash != block_hash:
+                del self.cached_blocks[block_hash]
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:

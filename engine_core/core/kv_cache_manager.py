@@ -161,6 +161,14 @@ class KVCacheManager:
         self.num_cached_blocks.pop(rid, None)
         self.req_to_block_hashes.pop(rid, None)
 
+    def free_all(self) -> None:
+        """Forget every request's blocks: all GPU and CPU blocks free, cached KV still cached. For
+        recovery after a failed step, when a table or a ref count may be half-updated (not a seam)."""
+        self.block_pool.release_all(b for table in self.req_to_blocks.values() for b in reversed(table))
+        self.cpu_block_pool.release_all()
+        for table in (self.req_to_blocks, self.req_to_cpu_blocks, self.num_cached_blocks, self.req_to_block_hashes):
+            table.clear()
+
     # ---- swapping ------------------------------------------------------------------------
     def num_blocks_to_swap(self, request: Request) -> int:
         """Blocks holding written KV (those covering num_computed_tokens): what a swap copies."""

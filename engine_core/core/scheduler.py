@@ -322,6 +322,45 @@ class Scheduler:
         self._sent_tables.pop(request.request_id, None)
         self.counters.observe_finished(request)
 
+    # ---- recovery ------------------------------------------------------------------------
+    def requeue_for_recompute(self) -> None:
+        """Send every unfinished request back to the waiting queue, holding no blocks, to be recomputed.
+
+        For a step that raised part-way (an exception or interrupt anywhere in schedule, the forward
+        or update_from_output). Whatever it half did, the result is consistent: every block is free
+        and cached KV stays cached (blocks are registered only after their KV is written); no request
+        resumes from blocks the step may not have written (a swap-out planned but not copied, a
+        swap-in not yet copied) or stays RUNNING with nothing left to compute. The order is kept:
+        running, swapped, requests a half-done move left in no queue, waiting. Appended tokens stay; a
+        request the step finished, or whose last token meets its stop condition, is finished; so
+        greedy and seeded requests (seeded draws depend only on seed and position) end with the tokens
+        of an uninterrupted run. The price is recomputing every running request, paid only after a
+        failure."""
+        queued = [*self.running, *self.swapped]
+        in_queue = {id(r) for r in [*queued, *self.waiting]}
+        orphans = sorted((r for r in self.requests.values() if id(r) not in in_queue), key=lambda r: r.arrival_time)
+        order = [*queued, *orphans, *self.waiting]
+        self.kv_cache_manager.free_all()
+        self._sent_tables.clear()
+        self.running, self.swapped, self.waiting = [], [], deque()
+        seen: set[str] = set()
+        for request in order:
+            rid = request.request_id
+            if self.requests.get(rid) is not request or rid in seen:
+                continue  # finished (and forgotten) by the step, or listed twice by a half-done move
+            seen.add(rid)
+            if request.is_finished:  # finished part-way through _finish
+                del self.requests[rid]
+                continue
+            status = request.check_stop(self.max_model_len)
+            if status is not None:  # its last token was appended, the stop check did not run
+                self._finish(request, status)
+                continue
+            if request.status != RequestStatus.WAITING:
+                request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            self.waiting.append(request)
+
     # ---- metrics -------------------------------------------------------------------------
     def make_stats(self) -> Stats:
         """The counters with the gauges of this moment (a copy: later steps do not change it)."""

@@ -8,10 +8,22 @@ from typing import Any, Sequence
 from tqdm.auto import tqdm
 
 from engine_core.engine import LLMEngine
+from engine_core.guard import ThreadGuard, guarded_session
 from engine_core.lora.request import LoRARequest
-from engine_core.request import RequestOutput, SamplingParams
+from engine_core.prompts import PromptType, as_prompt_list
+from engine_core.request import Request, RequestOutput, SamplingParams
+from engine_core.validation import fail
 
-Prompt = str | list[int]
+
+class GenerationError(RuntimeError):
+    """Requests of one `LLM.generate` call finished with an error (a fault in their forward, NaN
+    logits). Raised once the whole batch has run: `outputs` holds every output in prompt order,
+    the failed ones (finish_reason "error", `.error` says why) included; `failed` their indices."""
+
+    def __init__(self, outputs: list[RequestOutput], failed: list[int]) -> None:
+        self.outputs, self.failed = outputs, failed
+        shown = "; ".join(f"prompt {i}: {outputs[i].error}" for i in failed[:3])
+        super().__init__(f"{len(failed)} of {len(outputs)} request(s) failed: {shown}{' ...' if len(failed) > 3 else ''}")
 
 
 class LLM:
@@ -22,54 +34,76 @@ class LLM:
         self.engine = LLMEngine.from_kwargs(model, **engine_args)
         self._ids = itertools.count()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, use_tqdm: bool = True,
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in prompt order. Prompts are strings or token-id lists (mixed
-        is fine); one SamplingParams for all, or one per prompt; likewise one LoRARequest (or None: the
-        base model) for all, or one per prompt. Every prompt is validated before any is queued: a
-        ValueError leaves the engine as it was."""
-        prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
-        loras = _as_lora_list(lora_request, len(prompts))
-        ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        added: list[str] = []
-        try:
-            for rid, prompt, sp, lora in zip(ids, prompts, params, loras):
-                self.engine.add_request(rid, prompt, sp, lora_request=lora)
-                added.append(rid)
-        except ValueError as e:
-            for rid in added:
-                self.engine.abort_request(rid)
-            raise ValueError(f"prompt {len(added)}: {e}") from e
-        return self._run(ids, use_tqdm)
+        """One RequestOutput per prompt, in prompt order. A prompt is a string, a list of token ids,
+        {"prompt": text} or {"prompt_token_ids": ids} (mixed is fine); one SamplingParams for all, or
+        one per prompt; likewise one LoRARequest (or None: the base model) for all, or one per prompt.
+        Every prompt is validated before any is queued: a ValueError (naming the prompt's index)
+        leaves the engine as it was. Whatever ends the call early (an exception, KeyboardInterrupt)
+        aborts its requests, so the engine is left as it was found. A request aborted elsewhere
+        (`engine.abort_request` from another thread) comes back with finish_reason "abort"; requests
+        that fail raise GenerationError once the batch is done. One call at a time: a second,
+        concurrent or from inside a step, gets EngineBusyError."""
+        prompt_list = as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        loras = _as_lora_list(lora_request, len(prompt_list))
+        outputs = self._generate(prompt_list, params, loras, use_tqdm)
+        failed = [i for i, out in enumerate(outputs) if out.outputs[0].finish_reason == "error"]
+        if failed:
+            raise GenerationError(outputs, failed)
+        return outputs
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        pending = set(ids)
+    @property
+    def guard(self) -> ThreadGuard:
+        return self.engine.guard
+
+    @guarded_session("LLM.generate()")
+    def _generate(self, prompts: list[PromptType], params: list[SamplingParams], loras: list[LoRARequest | None],
+                  use_tqdm: bool) -> list[RequestOutput]:
+        ids = [f"gen-{next(self._ids)}" for _ in prompts]
+        added: dict[str, tuple[Request, str | None]] = {}  # id -> (request, prompt text)
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
-        start, num_tokens = time.perf_counter(), 0
-        while pending:
-            for out in self.engine.step():
-                if out.request_id in pending:
-                    num_tokens += 1  # each step's output is one new token for its request
-                    if out.finished:
-                        pending.discard(out.request_id)
-                        done[out.request_id] = out
-                        bar.update(1)
-            rate = num_tokens / max(time.perf_counter() - start, 1e-9)
-            bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
-        bar.close()
+        try:
+            for i, (rid, prompt, sp, lora) in enumerate(zip(ids, prompts, params, loras)):
+                try:
+                    request = self.engine.add_request(rid, prompt, sp, lora_request=lora)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from e
+                added[rid] = (request, self.engine.requests[rid][1])
+            self._run(added, done, use_tqdm)
+        finally:  # all of them: an interrupt may land between add_request and `added`
+            self.engine.abort_request([rid for rid in ids if rid not in done])  # holds Ctrl-C itself
         return [done[rid] for rid in ids]
 
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):  # one prompt of token ids
-        return [prompts]
-    return prompts
+    def _run(self, added: dict[str, tuple[Request, str | None]], done: dict[str, RequestOutput],
+             use_tqdm: bool) -> None:
+        """Step until every request in `added` has its final output in `done`."""
+        pending = set(added)
+        aborts_seen = self.engine.num_aborted
+        start, num_tokens = time.perf_counter(), 0
+        with tqdm(total=len(added), desc="generate", unit="req", disable=not use_tqdm) as bar:
+            while pending:
+                for out in self.engine.step():
+                    if out.request_id in pending:
+                        num_tokens += 1  # each step's output is one new token for its request
+                        if out.finished:
+                            pending.discard(out.request_id)
+                            done[out.request_id] = out
+                            bar.update(1)
+                if self.engine.num_aborted != aborts_seen:  # aborted elsewhere: no output will come
+                    aborts_seen = self.engine.num_aborted
+                    for rid in [rid for rid in pending if added[rid][0].is_finished]:
+                        pending.discard(rid)
+                        done[rid] = self.engine.make_output(*added[rid])
+                        bar.update(1)
+                if pending and not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"requests {sorted(pending)[:4]} left the engine without a final output "
+                                       f"(stepped or aborted by another caller?)")
+                rate = num_tokens / max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -77,18 +111,21 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
-    params = list(params)
+    if not isinstance(params, (list, tuple)):
+        fail("sampling_params", "a SamplingParams, a list of them (one per prompt) or None", params)
     if len(params) != n:
         raise ValueError(f"sampling_params must be one SamplingParams or a list of {n} (one per prompt), "
                          f"got {len(params)}")
-    return params
+    return list(params)
 
 
 def _as_lora_list(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:
+    """One per prompt; each is checked by add_request (a wrong type there names the prompt)."""
     if lora is None or isinstance(lora, LoRARequest):
         return [lora] * n
-    lora = list(lora)
+    if not isinstance(lora, (list, tuple)):
+        fail("lora_request", "a LoRARequest, a list of them (one per prompt; None: the base model) or None", lora)
     if len(lora) != n:
         raise ValueError(f"lora_request must be one LoRARequest, None, or a list of {n} (one per prompt), "
                          f"got {len(lora)}")
-    return lora
+    return list(lora)

@@ -8,7 +8,6 @@ delta of a module is `scaling * x @ A.T @ B.T` with scaling = alpha / r (rsLoRA:
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -16,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from engine_core.lora.request import LoRARequest
 from engine_core.models.config import LlamaArgs
+from engine_core.models.loader import check_finite, open_safetensors, read_json
 from engine_core.models.lora import FUSED_MODULES, module_shapes
+from engine_core.validation import check_int, check_real
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 TARGET_MODULES = tuple(m for mods in FUSED_MODULES.values() for m in mods)  # q_proj ... down_proj
@@ -60,14 +60,11 @@ def load_adapter(request: LoRARequest, args: LlamaArgs, max_lora_rank: int, dtyp
         raise ValueError(f"{where}: lora_path is not a folder; a PEFT adapter folder holds {CONFIG_FILE} and "
                          f"{WEIGHTS_FILE}")
     config = _read_config(folder, where)
-    rank, alpha = config.get("r"), config.get("lora_alpha", 8)
-    if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"{where}: {CONFIG_FILE} 'r' must be an int >= 1, got {rank!r}")
+    rank = check_int(f"{where}: {CONFIG_FILE} 'r'", config.get("r"), 1)
     if rank > max_lora_rank:
         raise ValueError(f"{where}: rank r={rank} exceeds max_lora_rank={max_lora_rank}; raise max_lora_rank "
                          f"to at least {rank}")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise ValueError(f"{where}: {CONFIG_FILE} 'lora_alpha' must be a number, got {alpha!r}")
+    alpha = check_real(f"{where}: {CONFIG_FILE} 'lora_alpha'", config.get("lora_alpha", 8))
     _check_targets(config.get("target_modules"), where)
     weights = _read_weights(folder, where, rank, args, dtype)
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora", False) else alpha / rank
@@ -79,9 +76,11 @@ def _read_config(folder: Path, where: str) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"{where}: missing {CONFIG_FILE}")
     try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: {CONFIG_FILE} is not valid JSON ({e})") from e
+        config = read_json(path)
+    except ValueError as e:  # names the file and the line
+        raise ValueError(f"{where}: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: {CONFIG_FILE} must hold a JSON object, got {type(config).__name__}")
     if config.get("peft_type") != "LORA":
         raise ValueError(f"{where}: {CONFIG_FILE} peft_type must be 'LORA', got {config.get('peft_type')!r}")
     for key, allowed in _PLAIN.items():
@@ -94,6 +93,8 @@ def _read_config(folder: Path, where: str) -> dict[str, Any]:
 def _check_targets(targets: Any, where: str) -> None:
     """A list must name supported modules only; a regex string is checked through the tensor names."""
     if isinstance(targets, (list, tuple)):
+        if not all(isinstance(t, str) for t in targets):
+            raise ValueError(f"{where}: {CONFIG_FILE} target_modules must hold module names (str), got {targets!r}")
         unknown = sorted(set(targets) - set(TARGET_MODULES))
         if unknown:
             raise ValueError(f"{where}: target_modules {unknown} not supported; supported: {list(TARGET_MODULES)}")
@@ -111,7 +112,11 @@ def _read_weights(folder: Path, where: str, rank: int, args: LlamaArgs,
         raise ValueError(f"{where}: missing {WEIGHTS_FILE}{hint}")
     shapes = module_shapes(args)
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    with safe_open(path, framework="pt", device="cpu") as f:
+    try:
+        opened = open_safetensors(path)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    with opened as f:
         for key in f.keys():
             m = _KEY.fullmatch(key)
             if m is None or m.group(3) not in TARGET_MODULES:
@@ -121,12 +126,15 @@ def _read_weights(folder: Path, where: str, rank: int, args: LlamaArgs,
             if layer >= args.num_layers:
                 raise ValueError(f"{where}: tensor {key!r}: layer {layer} but the base model has {args.num_layers}")
             tensor = f.get_tensor(key)
+            if not tensor.is_floating_point():
+                raise ValueError(f"{where}: tensor {key!r} is stored as {tensor.dtype}; LoRA weights must be "
+                                 f"floating point")
             in_f, out_f = shapes[module]
             expected = (rank, in_f) if ab == "A" else (out_f, rank)
             if tuple(tensor.shape) != expected:
                 raise ValueError(f"{where}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {expected} "
                                  f"(r={rank}, the base model's {module} is {in_f} -> {out_f})")
-            found.setdefault((layer, module), {})[ab] = tensor.to(dtype)
+            found.setdefault((layer, module), {})[ab] = _finite(tensor, key, path, dtype, where)
     if not found:
         raise ValueError(f"{where}: {WEIGHTS_FILE} holds no LoRA weights")
     for (layer, module), ab in found.items():
@@ -134,3 +142,16 @@ def _read_weights(folder: Path, where: str, rank: int, args: LlamaArgs,
             raise ValueError(f"{where}: layer {layer} {module} has lora_{'A' if 'A' in ab else 'B'} but no "
                              f"lora_{'B' if 'A' in ab else 'A'}")
     return {k: (v["A"], v["B"]) for k, v in sorted(found.items())}
+
+
+def _finite(tensor: torch.Tensor, key: str, path: Path, dtype: torch.dtype, where: str) -> torch.Tensor:
+    """`tensor` in `dtype`; NaN or infinite values (also those the conversion overflows into) are a
+    ValueError: they would make every request of the adapter fail at its first step."""
+    try:
+        check_finite(tensor, key, path, "")
+        converted = tensor.to(dtype)
+        if torch.finfo(dtype).max < torch.finfo(tensor.dtype).max:
+            check_finite(converted, key, path, f" after conversion to {dtype} (values out of its range)")
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return converted

@@ -22,13 +22,23 @@ class LoRACache:
         self.num_loads = 0  # reads from disk, evictions' reloads included
 
     def get(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter, read from disk on a miss, kept as the most recently used."""
+        adapter = self.load(request)
+        self.put(request, adapter)
+        return adapter
+
+    def load(self, request: LoRARequest) -> LoRAAdapter:
+        """The cached adapter, or one read from disk (the loader checks the folder); the cache is
+        unchanged, so a request rejected after this check leaves it as it was."""
         adapter = self.adapters.get(request.lora_int_id)
-        if adapter is not None:
-            self.adapters.move_to_end(request.lora_int_id)
-            return adapter
-        adapter = self._load(request)  # raises before the cache changes
-        self.num_loads += 1
+        if adapter is None:
+            adapter = self._load(request)
+            self.num_loads += 1
+        return adapter
+
+    def put(self, request: LoRARequest, adapter: LoRAAdapter) -> None:
+        """Keep `request`'s adapter as the most recently used, evicting the least recently used past capacity."""
         self.adapters[request.lora_int_id] = adapter
+        self.adapters.move_to_end(request.lora_int_id)
         while len(self.adapters) > self.capacity:
             self.adapters.popitem(last=False)
-        return adapter

@@ -30,17 +30,20 @@ class LoRAManager:
         self.known: dict[int, LoRARequest] = {}  # every adapter id ever added: one id, one folder
         self.request_lora: dict[str, int] = {}  # running requests with an adapter: their slots are pinned
 
-    def add_lora(self, request: LoRARequest) -> LoRAAdapter:
-        """Check the folder (loading it into the host cache) and remember its id; ValueError, and
-        nothing remembered, when the folder is bad or the id already names another adapter."""
+    def check(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter, read and checked (or taken from the host cache); ValueError when the folder is
+        bad or the id already names another adapter. Changes nothing: see `remember`."""
         known = self.known.get(request.lora_int_id)
         if known is not None and known != request:
             raise ValueError(f"lora_int_id {request.lora_int_id} already names adapter {known.lora_name!r} at "
                              f"{known.lora_path!r}; got {request.lora_name!r} at {request.lora_path!r} (one id, one "
                              f"adapter)")
-        adapter = self.cache.get(request)
+        return self.cache.load(request)
+
+    def remember(self, request: LoRARequest, adapter: LoRAAdapter) -> None:
+        """Keep a checked adapter: its id names its folder from now on, and it joins the host cache."""
         self.known[request.lora_int_id] = request
-        return adapter
+        self.cache.put(request, adapter)
 
     def _load(self, request: LoRARequest) -> LoRAAdapter:
         return load_adapter(request, self.args, self.max_lora_rank, self.dtype)
@@ -55,8 +58,11 @@ class LoRAManager:
         needed = [i for i in ids if i is not None]
         if not needed:
             return None
+        # Disk reads first (an adapter evicted from the host cache is read again; its folder may have
+        # gone bad since): one that raises leaves the slots as they were.
+        adapters = {i: self.cache.get(self.known[i]) for i in needed if i not in self.slots.slot_of}
         for lora_id, slot in self.slots.assign(needed, set(self.request_lora.values())):
-            self.load_slot(slot, self.cache.get(self.known[lora_id]))
+            self.load_slot(slot, adapters[lora_id])
         slot_of = self.slots.slot_of
         return LoRABatch.build([-1 if i is None else slot_of[i] for i in ids], [c.num_tokens for c in chunks],
                                [c.emits for c in chunks], meta.num_decode_seqs, meta.output_rows is None,
@@ -73,3 +79,9 @@ class LoRAManager:
         """Finished, aborted or preempted requests no longer pin their adapter's slot."""
         for rid in request_ids:
             self.request_lora.pop(rid, None)
+
+    def forget_all(self) -> None:
+        """After a step that raised part-way (the engine requeues every request): no pins, and no slot
+        trusted to hold its adapter whole (LoRASlotPool.clear)."""
+        self.request_lora.clear()
+        self.slots.clear()

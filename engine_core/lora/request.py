@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from engine_core.validation import check_int, fail
+
 
 @dataclass(frozen=True)
 class LoRARequest:
@@ -18,8 +20,7 @@ class LoRARequest:
         if isinstance(self.lora_path, os.PathLike):
             object.__setattr__(self, "lora_path", os.fspath(self.lora_path))
         if not isinstance(self.lora_name, str) or not self.lora_name:
-            raise ValueError(f"lora_name must be a non-empty str, got {self.lora_name!r}")
-        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
-            raise ValueError(f"lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
+            fail("lora_name", "a non-empty str", self.lora_name)
+        object.__setattr__(self, "lora_int_id", check_int("lora_int_id", self.lora_int_id, 1))
         if not isinstance(self.lora_path, str) or not self.lora_path:
-            raise ValueError(f"lora_path must be a non-empty str (a PEFT adapter folder), got {self.lora_path!r}")
+            fail("lora_path", "a non-empty str", self.lora_path, hint="a PEFT adapter folder")

@@ -39,3 +39,9 @@ class LoRASlotPool:
             self.slot_of[i] = self.free_slots.pop()
             loads.append((i, self.slot_of[i]))
         return loads
+
+    def clear(self) -> None:
+        """Every slot free: after a run that raised part-way, a slot may hold half of an adapter's
+        weights, so none is trusted and the next step copies its adapters again."""
+        self.slot_of.clear()
+        self.free_slots = list(range(self.num_slots - 1, -1, -1))

@@ -11,15 +11,17 @@ The capacity model's `ModelSpec` is derived from `LlamaArgs` (`model_spec()`), n
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from engine_core.memory import ModelSpec
-from engine_core.models.loader import read_config, read_eos_token_ids
+from engine_core.models.loader import check_float_dtype, read_config, read_eos_token_ids, read_tensor_infos
 from engine_core.presets import resolve_model
+from engine_core.validation import check_bool, check_int, check_real, describe
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _ROPE_TYPES = ("default", "linear", "llama3")
@@ -49,33 +51,49 @@ class LlamaArgs:
 
     @classmethod
     def from_config(cls, c: dict[str, Any], source: str = "config.json") -> "LlamaArgs":
+        """Parse config.json's fields, each checked for type and range; errors name `source` and the field."""
         archs = c.get("architectures") or []
+        if not isinstance(archs, list):
+            raise ValueError(f"{source}: architectures must be a list of class names, got {describe(archs)}")
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(f"{source}: architectures {archs} not supported; "
                              f"supported: {list(SUPPORTED_ARCHITECTURES)}")
         if c.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{source}: hidden_act {c['hidden_act']!r} not supported (only 'silu')")
-        heads = c["num_attention_heads"]
+        f = _Fields(c, source)
+        heads, hidden = f.integer("num_attention_heads"), f.integer("hidden_size")
+        kv_heads = f.integer("num_key_value_heads", None) or heads
+        if heads % kv_heads:
+            raise ValueError(f"{source}: num_attention_heads={heads} must be a multiple of num_key_value_heads="
+                             f"{kv_heads} (each KV head serves a whole group of query heads)")
+        head_dim = f.integer("head_dim", None)
+        if head_dim is None:
+            if hidden % heads:
+                raise ValueError(f"{source}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}; "
+                                 f"give head_dim")
+            head_dim = hidden // heads
+        if head_dim % 2:
+            raise ValueError(f"{source}: the head dimension must be even for rotary embeddings, got {head_dim}")
         qwen2, qwen3 = arch.startswith("Qwen2"), arch.startswith("Qwen3")
-        bias = bool(c.get("attention_bias", False)) and arch != "MistralForCausalLM"
+        bias = f.flag("attention_bias") and arch != "MistralForCausalLM"
         return cls(
             architecture=arch,
-            vocab_size=c["vocab_size"],
-            hidden_size=c["hidden_size"],
-            intermediate_size=c["intermediate_size"],
-            num_layers=c["num_hidden_layers"],
+            vocab_size=f.integer("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=f.integer("intermediate_size"),
+            num_layers=f.integer("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=c.get("num_key_value_heads") or heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+            max_position_embeddings=f.integer("max_position_embeddings", 2048),
             qkv_bias=qwen2 or bias,
             o_bias=bias and not qwen2,
-            mlp_bias=bool(c.get("mlp_bias", False)),
+            mlp_bias=f.flag("mlp_bias"),
             qk_norm=qwen3,
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            sliding_window=_sliding_window(c, arch),
+            tie_word_embeddings=f.flag("tie_word_embeddings"),
+            sliding_window=_sliding_window(f, arch),
             rope=_rope_params(c, source),
         )
 
@@ -93,25 +111,97 @@ class LlamaArgs:
                          tie_word_embeddings=self.tie_word_embeddings, attention_bias=self.qkv_bias,
                          o_proj_bias=self.o_bias, qk_norm=self.qk_norm)
 
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the decoder reads (models/llama.py), by checkpoint name, with its shape.
+        `lm_head.weight` is listed even when tied (a tied checkpoint may omit it)."""
+        hidden, inter, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        shapes = {"model.embed_tokens.weight": (self.vocab_size, hidden), "model.norm.weight": (hidden,),
+                  "lm_head.weight": (self.vocab_size, hidden)}
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}"
+            layer = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+                     "self_attn.q_proj.weight": (q, hidden), "self_attn.k_proj.weight": (kv, hidden),
+                     "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, q),
+                     "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+                     "mlp.down_proj.weight": (hidden, inter)}
+            if self.qkv_bias:
+                layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                              "self_attn.v_proj.bias": (kv,)})
+            if self.o_bias:
+                layer["self_attn.o_proj.bias"] = (hidden,)
+            if self.qk_norm:
+                layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+            if self.mlp_bias:
+                layer.update({"mlp.gate_proj.bias": (inter,), "mlp.up_proj.bias": (inter,), "mlp.down_proj.bias": (hidden,)})
+            shapes.update({f"{p}.{name}": shape for name, shape in layer.items()})
+        return shapes
 
-def _sliding_window(c: dict[str, Any], arch: str) -> int | None:
+
+def _sliding_window(f: "_Fields", arch: str) -> int | None:
     """Mistral applies `sliding_window` when set; Qwen2/3 only with `use_sliding_window`."""
-    window = c.get("sliding_window")
-    if arch.startswith("Qwen") and not c.get("use_sliding_window", False):
+    if arch.startswith("Qwen") and not f.flag("use_sliding_window"):
         return None
-    return int(window) if window else None
+    return f.integer("sliding_window", None, lo=0) or None
 
 
 def _rope_params(c: dict[str, Any], source: str) -> dict[str, Any]:
     """Accept transformers 5's `rope_parameters` and the older `rope_theta` + `rope_scaling`."""
-    params = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    params = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"{source}: rope_parameters / rope_scaling must be an object, got {describe(params)}")
+    params = dict(params)
     params.setdefault("rope_type", params.pop("type", "default"))
     params.setdefault("rope_theta", c.get("rope_theta", 10000.0))
     if params["rope_type"] not in _ROPE_TYPES:
         raise ValueError(f"{source}: rope_type {params['rope_type']!r} not supported; supported: {list(_ROPE_TYPES)}")
     if params["rope_type"] == "llama3":
         params.setdefault("original_max_position_embeddings", c.get("max_position_embeddings", 2048))
+    f = _Fields(params, f"{source}: rope_parameters")
+    f.number("rope_theta", lo_open=True)
+    if params["rope_type"] in ("linear", "llama3"):
+        f.number("factor", lo_open=True)
+    if params["rope_type"] == "llama3":
+        f.integer("original_max_position_embeddings")
+        if not f.number("low_freq_factor", lo_open=True) < f.number("high_freq_factor", lo_open=True):
+            raise ValueError(f"{source}: rope_parameters low_freq_factor must be < high_freq_factor, got "
+                             f"{params['low_freq_factor']} and {params['high_freq_factor']}")
     return params
+
+
+_REQUIRED: Any = object()
+
+
+class _Fields:
+    """A config dict's fields read with types: errors name the file and the field."""
+
+    def __init__(self, c: dict[str, Any], source: str) -> None:
+        self.c, self.source = c, source
+
+    def _get(self, key: str, default: Any, allowed: str) -> Any:
+        value = self.c.get(key, default)
+        if value is _REQUIRED:
+            raise ValueError(f"{self.source}: missing field {key!r} ({allowed})")
+        return value
+
+    def integer(self, key: str, default: Any = _REQUIRED, lo: int = 1) -> Any:
+        value = self._get(key, default, f"an int >= {lo}")
+        return value if value is None else _prefixed(self.source, check_int, key, value, lo)
+
+    def number(self, key: str, default: Any = _REQUIRED, lo_open: bool = True) -> float:
+        return _prefixed(self.source, check_real, key, self._get(key, default, "a finite number > 0"), 0.0,
+                         lo_open=lo_open)
+
+    def flag(self, key: str) -> bool:
+        value = self.c.get(key)
+        return False if value is None else _prefixed(self.source, check_bool, key, value)
+
+
+def _prefixed(source: str, check: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    try:
+        return check(*args, **kwargs)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -126,12 +216,19 @@ class ModelConfig:
 
     @classmethod
     def load(cls, model: str) -> "ModelConfig":
-        """`model` is a preset name or a Hugging Face checkpoint folder."""
+        """`model` is a preset name or a Hugging Face checkpoint folder. config.json is checked against
+        the weights' headers here, before anything is built (see `check_weights`)."""
         path = resolve_model(model)
         hf_config = read_config(path)
         args = LlamaArgs.from_config(hf_config, source=str(path / "config.json"))
+        check_weights(path, args)
+        eos, eos_source = read_eos_token_ids(path, hf_config)
+        bad = [e for e in eos if e >= args.vocab_size]
+        if bad:
+            raise ValueError(f"{eos_source!r}: eos_token_id {bad[0]} is outside the vocabulary "
+                             f"(vocab_size={args.vocab_size} in config.json)")
         stored = getattr(torch, str(hf_config.get("dtype") or hf_config.get("torch_dtype") or ""), None)
-        return cls(path=path, args=args, eos_token_ids=tuple(read_eos_token_ids(path, hf_config)),
+        return cls(path=path, args=args, eos_token_ids=tuple(eos),
                    checkpoint_dtype=stored if isinstance(stored, torch.dtype) else None,
                    has_tokenizer=(path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file())
 
@@ -141,4 +238,62 @@ class ModelConfig:
             return None
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.path)
+        try:
+            return AutoTokenizer.from_pretrained(self.path)
+        except Exception as e:  # a malformed tokenizer.json surfaces as anything from JSON to Rust errors
+            raise ValueError(f"model folder {str(self.path)!r}: its tokenizer files (tokenizer.json, "
+                             f"tokenizer_config.json) cannot be loaded: {type(e).__name__}: {e}") from None
+
+
+_KV_SCALE = re.compile(r"model\.layers\.(\d+)\.self_attn\.[kv]_scale")
+
+
+def _is_kv_scale(name: str, num_layers: int) -> bool:
+    """An FP8 checkpoint's k_scale / v_scale of a layer that exists: read (and checked) by
+    engine_core.worker.kv_scales, not by the decoder."""
+    match = _KV_SCALE.fullmatch(name)
+    return match is not None and int(match.group(1)) < num_layers
+
+
+def check_weights(folder: Path, args: LlamaArgs) -> None:
+    """config.json against the safetensors headers (no tensor data is read): every tensor the decoder
+    reads exists, is floating point and has the shape the config implies; no weights are left over
+    (a layer beyond num_hidden_layers, a bias the config switches off), which would otherwise load
+    silently and compute something else. Errors name the tensor, its file and the config field."""
+    infos = read_tensor_infos(folder)
+    expected = args.weight_shapes()
+    for name, shape in expected.items():
+        info = infos.get(name)
+        if info is None:
+            if name == "lm_head.weight" and args.tie_word_embeddings:
+                continue
+            files = sorted({i.file.name for i in infos.values()}) or ["(no tensors)"]
+            raise ValueError(f"checkpoint {str(folder)!r} ({', '.join(files)}) is missing tensor {name!r}")
+        check_float_dtype(name, info)
+        if info.shape != shape:
+            raise ValueError(f"tensor {name!r} in {str(info.file)!r} has shape {list(info.shape)}, but config.json "
+                             f"({_shape_fields(name)}) implies {list(shape)}")
+    extra = sorted(n for n in infos if n not in expected and not n.endswith("rotary_emb.inv_freq")
+                   and not _is_kv_scale(n, args.num_layers))
+    if extra:
+        layers = sorted({int(n.split(".")[2]) for n in extra if n.startswith("model.layers.")
+                         and n.split(".")[2].isdigit()})
+        if layers and layers[-1] >= args.num_layers:
+            raise ValueError(f"checkpoint {str(folder)!r} has weights for layer {layers[-1]}, but config.json "
+                             f"num_hidden_layers={args.num_layers}")
+        raise ValueError(f"checkpoint {str(folder)!r} has tensors the model would ignore: {extra[:4]}"
+                         f"{' ...' if len(extra) > 4 else ''} (check config.json's attention_bias, mlp_bias, "
+                         f"architectures)")
+
+
+def _shape_fields(tensor_name: str) -> str:
+    """The config.json fields a tensor's shape follows from."""
+    if tensor_name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return "vocab_size, hidden_size"
+    if any(p in tensor_name for p in ("q_proj", "o_proj")):
+        return "num_attention_heads, head_dim, hidden_size"
+    if any(p in tensor_name for p in ("k_proj", "v_proj")):
+        return "num_key_value_heads, head_dim, hidden_size"
+    if any(p in tensor_name for p in ("q_norm", "k_norm")):
+        return "head_dim"
+    return "intermediate_size, hidden_size" if ".mlp." in tensor_name else "hidden_size"

@@ -18,7 +18,7 @@ slot mapping, `attn_metadata.lora`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,10 +35,18 @@ from engine_core.worker.cuda_graphs import DecodeGraphs
 from engine_core.worker.input_batch import InputBatch
 from engine_core.worker.kv_cache import KVCache
 from engine_core.worker.kv_scales import DynamicScales, static_kv_amax
-from engine_core.worker.sampler import Sampler
+from engine_core.worker.sampler import INVALID_TOKEN, Sampler
 from kernels import split_policy
 
 DEFAULT_CPU_KV_BYTES = 2**30
+
+
+@dataclass
+class RunnerOutput:
+    """One step's result: a token for every request that emits, or why its step failed."""
+
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> what failed, naming the request
 
 
 @dataclass
@@ -81,7 +89,7 @@ class ModelRunner:
             raise ValueError(f"no room for the KV cache: a budget of {self._budget_bytes()} bytes holds no block of "
                              f"{block_bytes} bytes; raise gpu_memory_utilization / kv_cache_memory_bytes or set "
                              f"num_gpu_blocks")
-        num_cpu_blocks = min(int(engine.swap_space * 2**30) // block_bytes, num_gpu_blocks)
+        num_cpu_blocks = int(min(engine.swap_space * 2**30, num_gpu_blocks * block_bytes) // block_bytes)
         return KVCacheConfig(int(num_gpu_blocks), int(num_cpu_blocks), block_bytes)
 
     def _budget_bytes(self) -> int:
@@ -115,7 +123,13 @@ class ModelRunner:
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate the KV tensors, give an fp8 cache its scales (or the observer that sets them from the
         first batch), and, on CUDA unless enforce_eager, set up decode CUDA graphs."""
-        self.kv_cache = self._new_kv_cache(kv_cache_config.num_gpu_blocks, kv_cache_config.num_cpu_blocks)
+        c = kv_cache_config
+        try:
+            self.kv_cache = self._new_kv_cache(c.num_gpu_blocks, c.num_cpu_blocks)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise ValueError(f"cannot allocate the KV cache: {c.num_gpu_blocks} blocks of {c.block_bytes} bytes on "
+                             f"{self.device} and {c.num_cpu_blocks} in the CPU swap pool ({e}); lower num_gpu_blocks, "
+                             f"kv_cache_memory_bytes, gpu_memory_utilization or swap_space") from None
         engine = self.config.engine
         if engine.calculate_kv_scales:
             self.kv_cache.observer = DynamicScales(self.kv_cache, engine.kv_scales_per_head)
@@ -140,17 +154,58 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.forget(request_ids)
 
+    def forget_all_requests(self) -> None:
+        """After a step that raised part-way (the engine requeues every request to be recomputed): no
+        block-table rows, no adapter pins, no adapter slot trusted (one may be half-copied)."""
+        self.remove_requests(list(self.input_batch.row_of))
+        if self.lora is not None:
+            self.lora.forget_all()
+
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
-        """Run one step; returns request_id -> sampled token for every request that emits."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run one step: the KV block copies, then the forward and sampling of every scheduled chunk.
+
+        A forward that raises is retried one chunk at a time, so the fault is pinned on the requests
+        whose chunks raise alone (`RunnerOutput.failed`) while the rest of the batch still gets its
+        tokens. Each retry recomputes the KV slots the failed batch may have half-written (they lie
+        past every request's num_computed_tokens, in blocks no other request holds)."""
         self.kv_cache.swap_out(scheduler_output.swap_out)
         self.kv_cache.swap_in(scheduler_output.swap_in)
         self.remove_requests(scheduler_output.preempted_request_ids)
         if not scheduler_output.scheduled:
-            return {}
+            return RunnerOutput()
         chunks = sorted(scheduler_output.scheduled, key=lambda c: c.num_tokens != 1)  # decodes first (stable)
         rows = [self.input_batch.add_chunk(c) for c in chunks]
+        try:
+            return self._run(chunks, rows)
+        except Exception as error:
+            self._distrust_lora_slots()
+            if len(chunks) == 1:
+                return RunnerOutput(failed={chunks[0].request.request_id: _fault(chunks[0], error)})
+        return self._run_one_by_one(chunks, rows)
+
+    def _run_one_by_one(self, chunks: list[ScheduledChunk], rows: list[int]) -> RunnerOutput:
+        out = RunnerOutput()
+        for chunk, row in zip(chunks, rows):
+            try:
+                alone = self._run([chunk], [row])
+            except Exception as error:
+                self._distrust_lora_slots()
+                out.failed[chunk.request.request_id] = _fault(chunk, error)
+            else:
+                out.sampled.update(alone.sampled)
+                out.failed.update(alone.failed)
+        return out
+
+    def _distrust_lora_slots(self) -> None:
+        """A run that raised may have stopped part-way through copying an adapter into its slot (a
+        disk read that failed raises before any slot changes): the next run copies every one again."""
+        if self.lora is not None:
+            self.lora.slots.clear()
+
+    def _run(self, chunks: list[ScheduledChunk], rows: list[int]) -> RunnerOutput:
+        """Forward and sample `chunks` (their block-table rows already applied)."""
         batch = build_model_input(chunks, rows, self.input_batch, self.block_size, self.device,
                                   self.config.engine.kv_cache_dtype, self.config.attention_backend)
         if self.num_sms:
@@ -159,10 +214,17 @@ class ModelRunner:
             batch.attn_metadata.lora = self.lora.prepare(chunks, batch.attn_metadata)
         hidden = self._forward(batch)
         if not batch.emitting:  # only mid-prompt chunks this step
-            return {}
+            return RunnerOutput()
         logits = self.model.compute_logits(hidden)  # the forward returned only the emitting rows
-        tokens = self.sampler(logits, batch.emitting)
-        return {r.request_id: t for r, t in zip(batch.emitting, tokens)}
+        out = RunnerOutput()
+        for request, token in zip(batch.emitting, self.sampler(logits, batch.emitting)):
+            if token == INVALID_TOKEN:
+                out.failed[request.request_id] = (
+                    f"request {request.request_id!r}: its logits are NaN or infinite, so no token can be sampled "
+                    f"(the weights or activations overflow in {self.config.dtype}?)")
+            else:
+                out.sampled[request.request_id] = token
+        return out
 
     def _choose_num_splits(self, chunks: list[ScheduledChunk], meta: AttentionMetadata) -> None:
         """Flash-decoding's split count for the step's two decode-op calls: the decode rows, and the
@@ -181,6 +243,12 @@ class ModelRunner:
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
             return self.cuda_graphs.run(batch.input_ids, batch.positions, meta)
         return self.model(batch.input_ids, batch.positions, self.kv_cache, meta)
+
+
+def _fault(chunk: ScheduledChunk, error: Exception) -> str:
+    rid = chunk.request.request_id
+    return (f"request {rid!r}: its forward raised {type(error).__name__}: {error} (tokens "
+            f"{chunk.start}..{chunk.start + chunk.num_tokens - 1}, run alone)")
 
 
 def build_model_input(chunks: list[ScheduledChunk], rows: list[int], input_batch: InputBatch, block_size: int,
