@@ -5,7 +5,8 @@ The learner writes three engine pieces as plain functions (the seams in grader/s
 mapped one by one as BGMV does, segments as SGMV does, the slices of a fused projection, the
 scaling), `LoRASlotPool.assign(self, needed, pinned)` (the GPU slot pool: LRU with pinning; a
 contract-only task) and `Scheduler._lora_slot_available(self, request, running_loras)` (the slot
-rule), plus three numeric predictions. Every test that runs the learner's code does it inside
+rule), a Triton BGMV shrink kernel with its launcher (not a seam: called directly, under the
+interpreter on CPU, its launches counted), plus three numeric predictions. Every test that runs the learner's code does it inside
 `plug(student, LAB)`; set-up is written directly (slot weights, pool state, scheduler queues).
 Expected values come from a float64 oracle written here, from a small model of the slot pool's
 contract (`_spec_assign`), from hand arithmetic in the docstrings, or from the reference engine
@@ -13,6 +14,7 @@ and Hugging Face + PEFT run in `functools.cache` helpers after the plug block. E
 `expect_*` observation.
 """
 import functools
+import os
 from collections import OrderedDict
 
 import pytest
@@ -25,7 +27,11 @@ from grader.harness import (FakeRunner, LoRAMapping, LoRARequest, LoRASlotPool, 
 from grader.observe import expect_close, expect_equal, expect_raises
 from grader.plug import plug
 
+if not torch.cuda.is_available():  # the learner's Triton kernel runs under the interpreter, chosen before triton loads
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 LAB = "09_multi_lora"
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 # ---- task 1: the predictions -------------------------------------------------------------------
 
@@ -244,7 +250,87 @@ def test_add_lora_mixed_batches(student, num_slots, slices, row_slots, segments,
                  f"{row_slots}, segments (length, slot) {segments}: y after add_lora", atol=ATOL)
 
 
-# ---- task 3: the slot pool (contract only) ---------------------------------------------------------
+# ---- task 3: the decode rows' shrink in Triton (BGMV) ---------------------------------------------
+
+class CountLaunches:
+    """Stands in for the learner's kernel inside their launcher: counts `kernel[grid](...)` launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+    def __getattr__(self, name):
+        return getattr(self.kernel, name)
+
+
+def _run_bgmv_shrink(student, x, lora_a, row_slots):
+    """The learner's launcher, counting launches of their `bgmv_shrink_kernel`; (output, launches). No
+    seam of the lab is plugged (the kernel is not one): the launch count shows the learner's kernel ran."""
+    launcher, kernel = student.bgmv_shrink, student.bgmv_shrink_kernel
+    counter = CountLaunches(kernel)
+    launcher.__globals__["bgmv_shrink_kernel"] = counter  # the name the launcher resolves at call time
+    try:
+        out = launcher(x, lora_a, row_slots)
+    finally:
+        launcher.__globals__["bgmv_shrink_kernel"] = kernel
+    return out, counter.launches
+
+
+def _shrink_oracle(x, lora_a, slots):
+    """float64: t[i] = x[i] @ A[s].T, zeros for slot -1."""
+    t = torch.zeros(len(slots), lora_a.shape[1], dtype=torch.float64)
+    for i, s in enumerate(slots):
+        if s >= 0:
+            t[i] = lora_a[s].cpu().double() @ x[i].cpu().double()
+    return t
+
+
+def _shrink_case(num_slots, rank, k, slots, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(len(slots), k, generator=gen).to(dtype)
+    lora_a = torch.randn(num_slots, rank, k, generator=gen).to(dtype)
+    return x.to(DEVICE), lora_a.to(DEVICE), torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+
+
+# fp32 / fp16 inputs accumulated in fp32 over K <= 100 terms of size ~1: errors are a few fp32 ulps
+# of sums below ~30 (fp16 inputs are exact in fp32), far under 1e-3; a wrong slot or row is off by ~1.
+SHRINK_ATOL = 1e-3
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("bgmv_shrink")
+def test_bgmv_shrink_matches_the_oracle(student):
+    """Decode rows, each with its own slot in any order, -1 rows all zeros, a rank below the
+    16-wide tile, K not a multiple of the K tile; fp32 then fp16 inputs, the output float32."""
+    for dtype in (torch.float32, torch.float16):
+        x, lora_a, row_slots = _shrink_case(3, 5, 70, [2, -1, 0, 0, 1, -1, 2], dtype, seed=7)
+        out, _ = _run_bgmv_shrink(student, x, lora_a, row_slots)
+        expect_equal((tuple(out.shape), str(out.dtype)), ((7, 5), "torch.float32"),
+                     f"bgmv_shrink on 7 rows, A [3 slots, rank 5, K 70] in {dtype}: (shape, dtype) of the output")
+        expect_close(out, _shrink_oracle(x, lora_a, [2, -1, 0, 0, 1, -1, 2]),
+                     f"bgmv_shrink, A [3 slots, rank 5, K 70] in {dtype}, row_slots [2, -1, 0, 0, 1, -1, 2]: "
+                     f"t[i] = x[i] @ A[slot].T, zeros for slot -1", atol=SHRINK_ATOL)
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("bgmv_shrink")
+def test_bgmv_shrink_one_launch_for_the_batch(student):
+    """Every row of the step, whatever its adapter, in one launch of your kernel (Punica's point: no
+    loop over adapters on the host); a rank-16 adapter padded to max_rank 32; no row, no work."""
+    x, lora_a, row_slots = _shrink_case(4, 32, 24, [3, 1, 3, 0, 2], torch.float32, seed=8)
+    lora_a[:, 16:] = 0.0  # rank 16 in slots of max_rank 32 (zero padding, as the engine loads it)
+    out, launches = _run_bgmv_shrink(student, x, lora_a, row_slots)
+    expect_equal(launches, 1, "bgmv_shrink on 5 rows of 4 distinct adapters: launches of bgmv_shrink_kernel")
+    expect_close(out, _shrink_oracle(x, lora_a, [3, 1, 3, 0, 2]),
+                 "A [4 slots, max_rank 32 (rank 16 used), K 24], row_slots [3, 1, 3, 0, 2]: the output", atol=SHRINK_ATOL)
+    out, _ = _run_bgmv_shrink(student, x[:0], lora_a, row_slots[:0])
+    expect_equal(tuple(out.shape), (0, 32), "bgmv_shrink on 0 rows: the output's shape")
+
+
+# ---- task 4: the slot pool (contract only) ---------------------------------------------------------
 
 def _pool(num_slots, resident=(), free=None):
     """A pool whose `resident` [(lora id, slot)] are listed least recently used first; the other slots free."""
@@ -378,7 +464,7 @@ def test_assign_random_workloads(student, num_slots, steps):
                          f"{where}: the adapters resident before and after keep their slot")
 
 
-# ---- task 4: the scheduler's slot rule -------------------------------------------------------------
+# ---- task 5: the scheduler's slot rule -------------------------------------------------------------
 
 @pytest.mark.points(2)
 @pytest.mark.task("lora_slot_available")

@@ -17,6 +17,16 @@ BUGS = [
     # slot -1 indexes the last slot in Python: base-model rows get that adapter's delta
     PlantedBug("base_rows_get_the_last_slot", "        if s >= 0:\n            groups.append",
                "        if True:\n            groups.append"),
+    # the Triton BGMV shrink
+    PlantedBug("kernel_base_rows_read_slot_0", "    r_mask = (r < R) & (slot >= 0)\n", "    r_mask = r < R\n",
+               more=(("        k_mask = (k < K) & (slot >= 0)\n", "        k_mask = k < K\n"),)),
+    PlantedBug("kernel_k_tail_unmasked", "        k_mask = (k < K) & (slot >= 0)\n", "        k_mask = (k >= 0) & (slot >= 0)\n"),
+    PlantedBug("shrink_output_in_the_input_dtype", "out = torch.zeros(num_rows, rank, dtype=torch.float32",
+               "out = torch.zeros(num_rows, rank, dtype=x.dtype"),
+    PlantedBug("one_launch_per_adapter",
+               "        bgmv_shrink_kernel[(num_rows,)](x, lora_a, out, row_slots,",
+               "        for s in row_slots.unique().tolist():\n"
+               "          bgmv_shrink_kernel[(num_rows,)](x, lora_a, out, torch.where(row_slots == s, row_slots, -1),"),
     # assign
     PlantedBug("evicts_pinned_adapters", "keep = set(step) | set(pinned)", "keep = set(step)"),
     PlantedBug("evicts_most_recently_used", "evictable[:num_evict]", "evictable[len(evictable) - num_evict:]"),
