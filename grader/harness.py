@@ -33,14 +33,21 @@ from engine_core.core.scheduler import Scheduler
 from engine_core.core.scheduler_output import BlockTables, ScheduledChunk, SchedulerOutput
 from engine_core.engine import LLMEngine
 from engine_core.entrypoints.llm import LLM
+from engine_core.lora.presets import adapter_path
+from engine_core.lora.request import LoRARequest
+from engine_core.lora.slots import LoRASlotPool
 from engine_core.memory import GPUS, ModelSpec
+from engine_core.models.lora import LoRAMapping, LoRAStack
+from engine_core.presets import preset_path
 from engine_core.request import Request, RequestStatus, SamplingParams
 from engine_core.worker.kv_cache import KVCache
 
 __all__ = ["GPUS", "LLM", "BlockHash", "BlockPool", "EngineConfig", "EngineRun", "FakeRunner", "KVCache",
            "KVCacheBlock", "KVCacheManager", "LLMEngine", "build_manager", "build_pool", "check_invariants", "ModelSpec", "Request", "RequestStatus", "SamplingParams",
            "ScheduledChunk", "Scheduler", "SchedulerOutput", "TINY_SPEC", "held_blocks", "make_engine",
-           "make_request", "make_scheduler", "memory", "reference_output", "run_engine", "run_to_completion", "step"]
+           "make_request", "make_scheduler", "memory", "reference_output", "run_engine", "run_to_completion", "step",
+           # multi-LoRA (lab 09)
+           "LoRAMapping", "LoRARequest", "LoRASlotPool", "LoRAStack", "adapter_path", "preset_path"]
 
 # tiny-llama's shape: 2 layers x 2 KV heads x 16 dims, 512 bytes of fp32 KV per token
 TINY_SPEC = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,

@@ -28,6 +28,9 @@ KV_CACHE_MANAGER = f"{KV_CACHE_MANAGER_MODULE}.KVCacheManager"
 SCHEDULER = f"{SCHEDULER_MODULE}.Scheduler"
 COST_MODEL = "engine_core.core.cost_model.PreemptionCostModel"
 COUNTERS = "engine_core.metrics.Stats"
+MODELS_LORA = "engine_core.models.lora"
+LORA_REFERENCE = "kernels.lora_reference"
+LORA_SLOT_POOL = "engine_core.lora.slots.LoRASlotPool"
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ def _state(owner: str, *names: str) -> tuple[str, ...]:
 
 LAB00, LAB01, LAB02, LAB03 = "00_warmup", "01_kv_cache_math", "02_paged_kv_blocks", "03_preemption"
 LAB04, LAB05, LAB06 = "04_chunked_prefill", "05_prefix_caching", "06_paged_attention_kernel"
+LAB09 = "09_multi_lora"
+_LORA_OPS = ("bgmv_shrink", "bgmv_expand", "sgmv_shrink", "sgmv_expand")
 
 SEAMS: tuple[Seam, ...] = (
     # engine call sites pass cdiv's two arguments positionally; the exercise names them
@@ -112,6 +117,13 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB06, DECODE_ATTENTION, "paged_attention_decode", "paged_attention_decode",
          helpers=(f"{DECODE_ATTENTION}._decode_kernel", f"{DECODE_ATTENTION}._merge_kernel",
                   f"{KERNELS_REFERENCE}.paged_attention_decode")),
+
+    # the delta in PyTorch: the engine's SGMV / BGMV ops (dispatch and reference) hold the answer
+    Seam(LAB09, MODELS_LORA, "add_lora", "add_lora",
+         helpers=(f"{MODELS_LORA}._slices",) + tuple(f"{LORA_REFERENCE}.{op}" for op in _LORA_OPS)
+         + tuple(f"kernels.{op}" for op in _LORA_OPS)),
+    Seam(LAB09, LORA_SLOT_POOL, "assign", "assign", _state(LORA_SLOT_POOL, "num_slots", "slot_of", "free_slots")),
+    Seam(LAB09, SCHEDULER, "_lora_slot_available", "_lora_slot_available", _state(SCHEDULER, "config")),
 )
 
 
