@@ -15,7 +15,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab instructor test fuzz demo bench bench-vllm bench-kernels bench-lora bench-lora-gpu fp8-accuracy labs grade clean
+.PHONY: venv lab instructor test fuzz demo bench bench-vllm bench-kernels bench-lora bench-lora-gpu fp8-accuracy gpu-check labs grade clean
 
 venv: $(STAMP)
 
@@ -80,6 +80,19 @@ bench-vllm: venv $(VLLM_STAMP)
 
 bench-kernels: venv
 	$(PY) -m kernels.bench
+
+# Every GPU acceptance line in one command, under 5 minutes on an H100/H200 (each part has a hard time limit): the
+# tests of the compiled Triton kernels, the fp8 KV cache, flash-decoding and CUDA graphs, then the kernel benchmark's
+# acceptance shapes (bf16 decode bandwidth, splits at B=1 x 32k, fp8 vs bf16 at B=64 x 4k). Without CUDA: exit 2.
+GPU_TESTS := tests/kernels tests/test_fp8.py tests/test_fp8_engine.py tests/test_flash_decoding.py \
+	tests/test_split_policy.py tests/test_kv_cache.py
+gpu-check: venv
+	@$(PY) -c 'import sys, torch; torch.cuda.is_available() or sys.exit(f"make gpu-check: torch {torch.__version__} \
+	sees no CUDA device, so there is nothing to check here (on a CPU machine: make test)")'
+	@status=0; \
+	timeout 200 $(PY) -m pytest -q -p no:cacheprovider $(GPU_TESTS) || status=1; \
+	timeout 100 $(PY) -m kernels.bench --acceptance --repeats 10 || status=1; \
+	if [ $$status = 0 ]; then echo "make gpu-check: PASS"; else echo "make gpu-check: FAIL (see above)"; fi; exit $$status
 
 # Multi-LoRA throughput table (docs/lora.md): CPU (one thread: steadier on a shared machine), small-llama;
 # the GPU line prints why it skips where there is no GPU.
