@@ -68,7 +68,7 @@ NVLINK_LATENCY = 5e-6  # GPUSpec.allreduce_latency_s of all three GPUs
 # the later tasks are written.
 KV_ONLY, WEIGHTS_ONLY, ACTIVATION_ONLY = ["kv_cache_bytes_per_token"], ["weight_bytes"], ["activation_bytes"]
 CONCURRENCY_ONLY = ["kv_cache_bytes_per_token", "weight_bytes", "activation_bytes", "max_concurrent_requests"]
-PREDICTION_ONLY, ALLREDUCE_ONLY = [], ["allreduce_seconds"]
+ALLREDUCE_ONLY = ["allreduce_seconds"]
 BOUNDS_ONLY = ["kv_cache_bytes_per_token", "weight_bytes", "allreduce_seconds", "decode_step_lower_bound",
                "prefill_lower_bound"]
 
@@ -129,11 +129,11 @@ def test_engine_kv_cache_matches(student):
                    for model, kv_dtype in ENGINE_CASES]
         answers = [student.kv_cache_bytes_per_token(e.cost_model.model_spec, e.runner.kv_cache.dtype) for e in engines]
     expect_equal(plugged.uncalled(), [], "plugged functions the engine never called while sizing its KV cache")
-    for (model, kv_dtype), engine, answer, reference in zip(ENGINE_CASES, engines, answers, _reference_engine_kv()):
-        expect_equal(answer, reference[0],
+    for k, ((model, kv_dtype), engine, answer) in enumerate(zip(ENGINE_CASES, engines, answers)):
+        expect_equal(answer, _reference_engine_kv()[k][0],
                      f"{model} with kv_cache_dtype={kv_dtype!r}: your kv_cache_bytes_per_token on the engine's "
                      f"ModelSpec and KV dtype, against the bytes per token its K and V tensors hold")
-        expect_equal(_engine_kv(engine)[1], reference[1],
+        expect_equal(_engine_kv(engine)[1], _reference_engine_kv()[k][1],
                      f"{model}, kv_cache_dtype={kv_dtype!r}: blocks the engine allocated in a {KV_BUDGET}-byte "
                      f"budget, sized with your function (budget // (block_size x bytes per token))")
 
@@ -276,9 +276,7 @@ def test_predicted_min_decode_ms(student):
     bandwidth = 15.05 ms (the FLOPs take 1.2 ms). Tolerance 3%: rounding the weights to 16 GB and the
     KV to 34.4 GB stays within 0.5%; forgetting the KV (4.8 ms), counting query heads (~60 ms) or
     taking GiB for GB (7.4% off) are outside."""
-    with plug(student, LAB, only=PREDICTION_ONLY):  # nothing plugged; the engine's bounds are tripwired
-        predicted = student.predicted_min_decode_ms()
-    expect_close(predicted,
+    expect_close(student.predicted_min_decode_ms(),
                  (PARAMS["Llama-3-8B"] * 2 + 64 * 4096 * 131_072) / 3.35e12 * 1e3,
                  "predicted_min_decode_ms(): Llama-3-8B bf16, one H100, batch 64 x 4096 keys, in milliseconds",
                  rtol=0.03)
