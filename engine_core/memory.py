@@ -132,9 +132,27 @@ def weight_bytes(config: Any, dtype: torch.dtype | str) -> int:
 # seam: lab 01 (grader/seams.py)
 
 
+def activation_bytes(config: Any, dtype: torch.dtype | str, num_tokens: int) -> int:
+    """Peak activation bytes of one forward pass over `num_tokens` tokens (vLLM profiles this peak
+    with a dummy batch of `max_num_batched_tokens`): the largest set of tensors one layer holds at
+    once, at the MLP: the residual stream and its normed copy (2 x hidden), the gate and up outputs
+    and their activated product (3 x intermediate, x top-k experts for an MoE model), per token, in
+    16 bits or wider (activations stay 16-bit even with fp8 weights). Layers run one after another,
+    so this does not grow with the number of layers; it grows linearly with `num_tokens`."""
+    s = ModelSpec.of(config)
+    experts = s.num_experts_per_tok if s.num_experts else 1
+    return num_tokens * (2 * s.hidden_size + 3 * experts * s.intermediate_size) * max(2, dtype_bytes(dtype))
+
+
+# seam: lab 01 (grader/seams.py)
+
+
 def max_concurrent_requests(gpu_bytes: float, utilization: float, config: Any, context_len: int,
-                            dtype: torch.dtype | str, block_size: int = 1) -> int:
-    """Requests of `context_len` tokens whose KV fits beside the weights in `utilization` of the GPU."""
+                            dtype: torch.dtype | str, block_size: int = 1, max_num_batched_tokens: int = 0,
+                            non_torch_bytes: float = 0) -> int:
+    """Requests of `context_len` tokens whose KV fits in `utilization` of the GPU beside the weights,
+    the activation peak of a `max_num_batched_tokens` forward (`activation_bytes`), and
+    `non_torch_bytes` (CUDA graphs, NCCL buffers, the CUDA context); the rest of the GPU is headroom."""
     if not gpu_bytes > 0:
         raise ValueError(f"gpu_bytes must be > 0, got {gpu_bytes!r}")
     if not 0 < utilization <= 1:
@@ -143,7 +161,12 @@ def max_concurrent_requests(gpu_bytes: float, utilization: float, config: Any, c
         raise ValueError(f"context_len must be an int >= 1, got {context_len!r}")
     if not (isinstance(block_size, int) and block_size >= 1):
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-    free = gpu_bytes * utilization - weight_bytes(config, dtype)
+    if not (isinstance(max_num_batched_tokens, int) and max_num_batched_tokens >= 0):
+        raise ValueError(f"max_num_batched_tokens must be an int >= 0, got {max_num_batched_tokens!r}")
+    if not non_torch_bytes >= 0:
+        raise ValueError(f"non_torch_bytes must be >= 0, got {non_torch_bytes!r}")
+    free = (gpu_bytes * utilization - weight_bytes(config, dtype)
+            - activation_bytes(config, dtype, max_num_batched_tokens) - non_torch_bytes)
     if free <= 0:
         return 0
     per_request = math.ceil(context_len / block_size) * block_size * kv_cache_bytes_per_token(config, dtype)
@@ -161,11 +184,17 @@ class GPUSpec:
     fp8_flops: float | None
     nvlink_bytes_per_s: float  # per direction, per GPU
     pcie_bytes_per_s: float  # per direction (x16 link)
+    # Fixed cost of one all-reduce over the TP group's link, whatever its size (the alpha of the
+    # alpha-beta model): launch, synchronisation and link hops. Not a datasheet figure: small-message
+    # all-reduces inside an NVLink node take a few microseconds (NCCL, vLLM's custom all-reduce).
+    allreduce_latency_s: float = 5e-6
 
 
 # Sources: NVIDIA's A100, H100 and H200 datasheets, SXM boards, dense peaks (sparsity halved away).
 # memory_bytes is nvidia-smi's MiB total; NVLink's 600 / 900 GB/s are both directions together, so
-# half per direction; PCIe Gen4 / Gen5 x16 move about 32 / 64 GB/s per direction.
+# half per direction; PCIe Gen4 / Gen5 x16 move about 32 / 64 GB/s per direction. The A100 has no FP8
+# tensor cores (fp8_flops None): FP8 weights run there as W8A16 (upcast before the matmul), and an
+# FP8 KV cache only halves the bytes. All-reduce latency: the 5 us default of GPUSpec.
 GPUS: dict[str, GPUSpec] = {
     # A100 SXM4 80GB: HBM2e 2.039 TB/s, 312 TFLOP/s bf16, NVLink3 600 GB/s total, PCIe Gen4 x16.
     "A100-80GB": GPUSpec("A100-80GB", 81920 * 2**20, 2.039e12, 312e12, None, 300e9, 32e9),
@@ -213,16 +242,21 @@ def kv_heads_per_gpu(config: Any, tp: int) -> int:
     return max(1, ModelSpec.of(config).num_kv_heads // tp)
 
 
+# seam: lab 01 (grader/seams.py)
+
+
 def allreduce_seconds(config: Any, dtype: torch.dtype | str, num_tokens: int, gpu: GPUSpec, tp: int) -> float:
-    """NVLink time of one forward's all-reduces at TP degree `tp`: two per layer (after the
-    attention output and the MLP down projection) of num_tokens x hidden activations; a ring
-    all-reduce sends 2 (tp - 1) / tp of the tensor per GPU. Bandwidth only (no latency);
-    activations travel in 16 bits or wider even with fp8 weights."""
+    """Time of one forward's all-reduces at TP degree `tp`, alpha-beta model: two per layer (after
+    the attention output and the MLP down projection), each costing the link's fixed latency
+    (`gpu.allreduce_latency_s`, alpha) plus its bytes over the link's bandwidth (beta): a ring
+    all-reduce of num_tokens x hidden activations sends 2 (tp - 1) / tp of the tensor per GPU over
+    `gpu.nvlink_bytes_per_s`. Activations travel in 16 bits or wider even with fp8 weights."""
     if tp == 1:
         return 0.0
     s = ModelSpec.of(config)
     tensor_bytes = num_tokens * s.hidden_size * max(2, dtype_bytes(dtype))
-    return 2 * s.num_layers * 2 * (tp - 1) / tp * tensor_bytes / gpu.nvlink_bytes_per_s
+    one = gpu.allreduce_latency_s + 2 * (tp - 1) / tp * tensor_bytes / gpu.nvlink_bytes_per_s
+    return 2 * s.num_layers * one
 
 
 # seam: lab 01 (grader/seams.py)

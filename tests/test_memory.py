@@ -1,6 +1,7 @@
 """The capacity model against hand arithmetic on public configs and Hugging Face's own parameter count."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -149,9 +150,10 @@ def test_decode_bound_by_hand() -> None:
 
 
 def test_tensor_parallel_bounds_by_hand() -> None:
-    """TP 4 reads a quarter of the weights and KV per GPU, and pays two ring all-reduces per layer."""
+    """TP 4 reads a quarter of the weights and KV per GPU, and pays two ring all-reduces per layer,
+    each 5 us of latency plus its bytes over NVLink."""
     h100 = GPUS["H100-80GB"]
-    allreduce = 2 * 80 * 2 * 3 / 4 * (8 * 8192 * 2) / 450e9  # batch 8, hidden 8192, fp16
+    allreduce = 2 * 80 * (5e-6 + 2 * 3 / 4 * (8 * 8192 * 2) / 450e9)  # batch 8, hidden 8192, fp16
     read = (LLAMA2_70B_PARAMS * 2 / 4 + 8 * 2000 * 327_680 / 4) / 3.35e12
     assert memory.decode_step_lower_bound(LLAMA2_70B, "fp16", 8, 2000, h100, tp=4) == \
         pytest.approx(read + allreduce, rel=1e-12)
@@ -159,6 +161,41 @@ def test_tensor_parallel_bounds_by_hand() -> None:
     assert memory.kv_heads_per_gpu(LLAMA3_8B, 16) == 1
     with pytest.raises(ValueError, match="tp"):
         memory.kv_heads_per_gpu(LLAMA3_8B, 3)
+
+
+def test_allreduce_alpha_beta_by_hand() -> None:
+    """Two all-reduces per layer, each latency + 2 (tp - 1) / tp x bytes / bandwidth; none at TP 1."""
+    h100 = GPUS["H100-80GB"]
+    assert h100.allreduce_latency_s == 5e-6
+    assert memory.allreduce_seconds(LLAMA2_70B, "fp16", 64, h100, 1) == 0.0
+    want = 2 * 80 * (5e-6 + 2 * 7 / 8 * (64 * 8192 * 2) / 450e9)
+    assert memory.allreduce_seconds(LLAMA2_70B, "fp16", 64, h100, 8) == pytest.approx(want, rel=1e-12)
+    # fp8 weights: the activations still travel in 16 bits; a slower link with more latency (cross-node)
+    slow = dataclasses.replace(h100, nvlink_bytes_per_s=50e9, allreduce_latency_s=20e-6)
+    want = 2 * 32 * (20e-6 + 2 * 15 / 16 * (1 * 4096 * 2) / 50e9)
+    assert memory.allreduce_seconds(LLAMA3_8B, "fp8", 1, slow, 16) == pytest.approx(want, rel=1e-12)
+
+
+def test_activation_bytes_by_hand() -> None:
+    """Residual + normed copy (2 h) and gate, up, activated (3 i, x top-k experts) per token, >= 16 bits."""
+    assert memory.activation_bytes(LLAMA3_8B, "bf16", 8192) == 8192 * (2 * 4096 + 3 * 14336) * 2
+    assert memory.activation_bytes(LLAMA3_8B, "fp8", 100) == 100 * (2 * 4096 + 3 * 14336) * 2
+    assert memory.activation_bytes(LLAMA3_8B, "fp32", 100) == 100 * (2 * 4096 + 3 * 14336) * 4
+    assert memory.activation_bytes(MIXTRAL_8X7B, "bf16", 10) == 10 * (2 * 4096 + 3 * 2 * 14336) * 2
+    assert memory.activation_bytes(LLAMA3_8B, "bf16", 0) == 0
+
+
+def test_max_concurrent_requests_subtracts_activations_and_non_torch_memory() -> None:
+    """The utilization budget holds weights, the activation peak, non-torch memory and the KV cache."""
+    act = 8192 * (2 * 4096 + 3 * 14336) * 2
+    free = 81559 * 2**20 * 0.9 - LLAMA3_8B_PARAMS * 2 - act - 2e9
+    got = memory.max_concurrent_requests(GPUS["H100-80GB"].memory_bytes, 0.9, LLAMA3_8B, 4096, "bf16",
+                                         block_size=16, max_num_batched_tokens=8192, non_torch_bytes=2e9)
+    assert got == int(free // (4096 * 131072))
+    for kwargs, name in ((dict(max_num_batched_tokens=-1), "max_num_batched_tokens"),
+                         (dict(non_torch_bytes=-1.0), "non_torch_bytes")):
+        with pytest.raises(ValueError, match=name):
+            memory.max_concurrent_requests(80e9, 0.9, LLAMA3_8B, 100, "bf16", **kwargs)
 
 
 def test_prefill_bound_by_hand() -> None:

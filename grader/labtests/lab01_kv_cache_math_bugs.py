@@ -21,4 +21,19 @@ BUGS = [
                "replicas = max(1, int(requests_per_s / rate))"),
     PlantedBug("first_feasible_tp", "if best is None or tp * replicas < best.num_gpus:", "if best is None:"),
     PlantedBug("prefills_do_not_slow_decode", "tpot = step + batch / output_len * prefill", "tpot = step"),
+    # the activation peak and the utilization budget
+    PlantedBug("activations_counted_per_layer", "return num_tokens * per_token * max(2, dtype_bytes(dtype))",
+               "return s.num_layers * num_tokens * per_token * max(2, dtype_bytes(dtype))"),
+    PlantedBug("activations_in_fp8", "return num_tokens * per_token * max(2, dtype_bytes(dtype))",
+               "return num_tokens * per_token * dtype_bytes(dtype)"),
+    PlantedBug("activations_ignore_top_k", "experts = s.num_experts_per_tok if s.num_experts else 1", "experts = 1"),
+    PlantedBug("budget_without_activations",
+               "- activation_bytes(config, dtype, max_num_batched_tokens) - non_torch_bytes)", "- non_torch_bytes)"),
+    # the alpha-beta all-reduce
+    PlantedBug("allreduce_bandwidth_only", "one = gpu.allreduce_latency_s + 2 *", "one = 2 *"),
+    PlantedBug("allreduce_latency_once_per_step", "return 2 * s.num_layers * one",
+               "return 2 * s.num_layers * (one - gpu.allreduce_latency_s) + gpu.allreduce_latency_s"),
+    PlantedBug("allreduce_once_per_layer", "return 2 * s.num_layers * one", "return s.num_layers * one"),
+    # the prediction
+    PlantedBug("prediction_forgets_the_kv", "return (weights + kv) / 3.35e12 * 1e3", "return weights / 3.35e12 * 1e3"),
 ]

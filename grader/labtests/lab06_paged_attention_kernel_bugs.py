@@ -20,4 +20,7 @@ BUGS = [
                "    from kernels import reference\n    return reference.paged_attention_decode(\n"
                "        query, key_cache, value_cache, block_tables, seq_lens, scale)\n"),
     PlantedBug("kernel_nan_on_empty_row", "acc / tl.where(l == 0.0, 1.0, l)[:, None]", "acc / l[:, None]"),
+    # the prediction: the newest token's KV is read too; V counts as much as K
+    PlantedBug("prediction_without_the_newest_token", "seq_lens = [n + 11 for n", "seq_lens = [n + 10 for n"),
+    PlantedBug("prediction_reads_k_only", "return 2 * sum(seq_lens) * 2 * 16 * 4", "return sum(seq_lens) * 2 * 16 * 4"),
 ]
