@@ -527,8 +527,8 @@ def test_swap_with_prefix_caching(student):
     with plug(student, LAB):
         run = _run(PREFIX_PROMPTS, PREFIX_MAX_TOKENS, **engine_args)
     key = _key(PREFIX_PROMPTS, PREFIX_MAX_TOKENS, engine_args)
-    ref = _reference(key)[1]
-    assert ref["num_preemptions_swap"] > 0 and ref["prefix_cache_hits"] > 0, "the workload must swap and hit (a test bug)"
+    assert min(_reference(key)[1]["num_preemptions_swap"], _reference(key)[1]["prefix_cache_hits"]) > 0, (
+        "the workload must swap and hit (a test bug)")
     setup = ("tiny-llama, 14 blocks of 4, budget 32, preemption_mode='swap', 16 CPU blocks, prefix caching on, "
              f"8 requests sharing an 8-token prefix, prompt lengths {[len(p) for p in PREFIX_PROMPTS]}")
     expect_equal(_counts(run.stats, PREFIX_COUNTS), _counts(_reference(key)[1], PREFIX_COUNTS),
