@@ -82,7 +82,7 @@ def test_forced_modes_and_fallbacks(student):
     for mode, cpu, n, want, why, more in cases:
         sched = _scheduler(16, cpu, preemption_mode=mode, **more)
         (req,) = _running(sched, [("a", n, 0, 0.0)])
-        with plug(student, LAB):
+        with plug(student, LAB, only=['choose_preemption_mode']):
             got = sched.choose_preemption_mode(req)
         expect_equal(got, want, f"preemption_mode={mode!r}, {cpu} CPU blocks, {more or 'default rates'}, a request "
                                 f"with {n} computed tokens (blocks of 4): {why}")
@@ -105,7 +105,7 @@ def test_auto_follows_the_cost_model(student):
                 sched = _scheduler(32, 32, kv_dtype=kv_dtype, preemption_mode="auto", prefill_flops_per_s=1e9,
                                    swap_bandwidth_bytes_per_s=bandwidth * factor)
                 (req,) = _running(sched, [("a", n, 0, 0.0)])
-                with plug(student, LAB):
+                with plug(student, LAB, only=['choose_preemption_mode']):
                     got = sched.choose_preemption_mode(req)
                 expect_equal(got, want,
                              f"auto, {n} computed tokens of tiny-llama's shape, {kv_dtype} KV cache, 1e9 FLOP/s, host "
@@ -129,7 +129,7 @@ def test_auto_uses_the_device_default_rates(student):
     for name, spec in (("tiny-llama's shape", TINY), ("a model with little compute and wide KV", WIDE_KV)):
         sched = _scheduler(32, 32, spec=spec, preemption_mode="auto")
         (req,) = _running(sched, [("a", 8, 0, 0.0)])
-        with plug(student, LAB):
+        with plug(student, LAB, only=['choose_preemption_mode']):
             got = sched.choose_preemption_mode(req)
         expect_equal(got, _cheaper_at_default_cpu_rates(spec, 8),
                      f"auto on CPU without configured rates, {name}, 8 computed tokens: the cheaper mode at "
@@ -147,7 +147,7 @@ def test_victim_is_lowest_priority_then_latest_arrival(student):
     specs = [("a", 3, 0, 1.0), ("b", 3, 1, 0.0), ("c", 3, 1, 2.0), ("d", 3, 0, 3.0)]
     _running(sched, specs)
     order = []
-    with plug(student, LAB):
+    with plug(student, LAB, only=['_preempt']):
         for _ in specs:
             order.append(sched._preempt(SchedulerOutput()).request_id)
     expect_equal(order, ["c", "b", "d", "a"], "running (id, priority, arrival) [('a', 0, 1.0), ('b', 1, 0.0), "
@@ -164,7 +164,7 @@ def test_recompute_preemption(student):
     b.output_token_ids = [7, 9]  # b had generated two tokens: they stay, and are recomputed with the prompt
     sched.waiting.append(_request("w", 3))
     out = SchedulerOutput()
-    with plug(student, LAB):
+    with plug(student, LAB, only=['_preempt']):
         victim = sched._preempt(out)
     kvm = sched.kv_cache_manager
     expect_equal(victim.request_id, "b", "running a (arrival 0) and b (arrival 1), same priority: the victim")
@@ -194,7 +194,7 @@ def test_swap_preemption(student):
     sched.choose_preemption_mode = lambda request: "swap"  # this test grades _preempt (and swap_out)
     _running(sched, [("a", 6, 0, 0.0), ("b", 3, 2, 1.0), ("c", 9, 1, 2.0), ("d", 5, 0, 3.0)])
     plans = []
-    with plug(student, LAB):
+    with plug(student, LAB, only=['_preempt', 'swap_out']):
         for _ in range(3):
             out = SchedulerOutput()
             victim = sched._preempt(out)
@@ -324,7 +324,7 @@ def _tables(kvm, rid="r"):
 @pytest.mark.task("swap")
 def test_swap_out_copies_written_blocks_only(student):
     """Blocks holding written KV are copied to fresh CPU blocks; all GPU blocks are freed, tail first."""
-    with plug(student, LAB):
+    with plug(student, LAB, only=['swap_out', 'swap_in']):
         for computed, want_pairs in ((6, [(1, 0), (2, 1)]), (8, [(1, 0), (2, 1)]), (9, [(1, 0), (2, 1), (3, 2)])):
             kvm, req = _manager_with(8, 4, computed=computed, allocated=12)  # table [1, 2, 3]
             expect_equal(kvm.swap_out(req), want_pairs,
@@ -341,7 +341,7 @@ def test_swap_out_copies_written_blocks_only(student):
 @pytest.mark.task("swap")
 def test_swap_out_rejects_without_cpu_room(student):
     """Not enough free CPU blocks: ValueError, nothing changed (choose_preemption_mode should have said recompute)."""
-    with plug(student, LAB):
+    with plug(student, LAB, only=['swap_out', 'swap_in']):
         kvm, req = _manager_with(8, 1, computed=6, allocated=8)
         expect_raises(ValueError, kvm.swap_out, req,
                       message="r holds [1, 2] with 6 computed tokens (2 blocks of KV), 1 free CPU block: swap_out(r)")
@@ -354,7 +354,7 @@ def test_swap_out_rejects_without_cpu_room(student):
 def test_swap_in_restores_the_table(student):
     """Swap-in takes fresh GPU blocks for the CPU blocks, in table order, and frees the CPU blocks."""
     # r (6 tokens of KV) was swapped out to CPU blocks [0, 1]; x holds GPU block 0 and y blocks 3, 4, 5
-    with plug(student, LAB):
+    with plug(student, LAB, only=['swap_out', 'swap_in']):
         kvm = build_manager(8, {"x": [0], "y": [3, 4, 5]}, free_order=[6, 7, 2, 1], num_cpu_blocks=4,
                             cpu_tables={"r": [0, 1]})
         req = _request("r", 8)
@@ -371,7 +371,7 @@ def test_swap_in_restores_the_table(student):
 def test_swap_in_rejects_without_gpu_room(student):
     """Not enough free GPU blocks: ValueError, nothing changed (the scheduler checks can_swap_in first)."""
     # r (8 tokens of KV) sits in CPU blocks [0, 1]; x and y hold 3 of the 4 GPU blocks: 1 free, r needs 2
-    with plug(student, LAB):
+    with plug(student, LAB, only=['swap_out', 'swap_in']):
         kvm = build_manager(4, {"x": [0], "y": [2, 1]}, num_cpu_blocks=4, cpu_tables={"r": [0, 1]})
         req = _request("r", 8)
         req.num_computed_tokens = 8
@@ -393,7 +393,7 @@ def test_swap_round_trip_keeps_the_kv(student):
         t.copy_(torch.randn(t.shape, generator=gen))
     before = [t[[1, 2]].reshape(-1, 2, 3)[:7].clone() for t in cache.key + cache.value]  # positions 0..6
     kvm.block_pool.get_new_blocks(2)  # another request holds blocks 3 and 4: r comes back into other blocks
-    with plug(student, LAB):
+    with plug(student, LAB, only=['swap_out', 'swap_in']):
         cache.swap_out(kvm.swap_out(req))
         for t in cache.key + cache.value:
             t.fill_(-1.0)  # and overwrites every GPU block

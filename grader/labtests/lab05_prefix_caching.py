@@ -37,7 +37,7 @@ def _hash(student, parent, tokens, extra=None):
 @pytest.mark.task("hash_block_tokens")
 def test_hash_keeps_tokens_and_chains(student):
     """Equal inputs give equal hashes; the block's tokens are kept; the parent enters the hash."""
-    with plug(student, LAB):
+    with plug(student, LAB, only=['hash_block_tokens']):
         (shape, a), (_, a_tuple) = _hash(student, None, [1, 2, 3, 4]), _hash(student, None, (1, 2, 3, 4))
         expect_equal(shape, (True, (1, 2, 3, 4), None),
                      "hash_block_tokens(None, [1, 2, 3, 4]): (is hash_value an int?, token_ids, extra_keys)")
@@ -60,23 +60,24 @@ def _check_structured_blocks(student):
     chain that repeats a block must not cancel out (hash_value = parent ^ hash(tokens) maps block 4 of
     [A, B, B, C] onto block 2 of [A, C]: a lookup of [A, C] would take KV computed after [A, B, B])."""
     a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
-    kvm = build_manager(8, {"abbc": [0, 1, 2, 3, 4]}, caching=True)
-    with plug(student, LAB):
+    kvm = build_manager(8, caching=True)
+    with plug(student, LAB, only=["hash_block_tokens"]):
         expect_equal(_hash(student, None, a)[1] != _hash(student, None, a[::-1])[1], True,
                      f"hash_block_tokens(None, {a}) and (None, {a[::-1]}): do the hash_values differ? The order "
                      f"of the tokens must enter the hash")
-        kvm.cache_blocks(make_request("abbc", a + b + b + c + [13]), 16)  # 4 full blocks cached, with your hash
-        blocks, num = kvm.get_computed_blocks(make_request("ac", a + c + [13]))
-    expect_equal((len(blocks), num), (1, 4),
-                 f"[A, B, B, C] is cached (A = {a}, B = {b}, C = {c}); a request [A, C, 13] may reuse only block A: "
-                 f"(blocks, tokens) of its hit; its second block [C] after [A] must not hash like C after [A, B, B]")
+        abbc = kvm.block_hashes(make_request("abbc", a + b + b + c + [13]), 4)  # the engine's chain, your hash
+        ac = kvm.block_hashes(make_request("ac", a + c + [13]), 2)
+    expect_equal([abbc[0] == ac[0], abbc[3] == ac[1]], [True, False],
+                 f"A = {a}, B = {b}, C = {c}, blocks of 4: (is block A of [A, B, B, C] hashed like block A of [A, C]?, "
+                 f"is block C of [A, B, B, C] hashed like block C of [A, C]?): C after [A, B, B] and C after [A] "
+                 f"have different KV, so a lookup of [A, C] must not find the block cached for [A, B, B, C]")
 
 
 @pytest.mark.points(1)
 @pytest.mark.task("hash_block_tokens")
 def test_hash_extra_keys_separate_loras(student):
     """The LoRA id (extra_keys) is kept and changes the hash: adapters never share KV."""
-    with plug(student, LAB):
+    with plug(student, LAB, only=['hash_block_tokens']):
         (plain_shape, plain), (lora1_shape, lora1), (_, lora2) = (_hash(student, None, [1, 2, 3, 4], e)
                                                                   for e in (None, (1,), (2,)))
     expect_equal(lora1_shape, (True, (1, 2, 3, 4), (1,)),
@@ -94,7 +95,7 @@ def test_block_hashes_of_requests(student):
     a = make_request("a", list(range(1, 13)))
     b = make_request("b", list(range(1, 9)) + [50, 51, 52, 53])
     c = make_request("c", [99, 2, 3, 4] + list(range(5, 13)))  # differs from a in the first token only
-    with plug(student, LAB):
+    with plug(student, LAB, only=['hash_block_tokens']):
         ha, hb, hc = (kvm.block_hashes(r, 3) for r in (a, b, c))
     expect_equal([x == y for x, y in zip(ha, hb)], [True, True, False],
                  "a = tokens 1..12 and b = 1..8 + [50..53], blocks of 4: is each of their 3 block hashes equal?")
@@ -139,7 +140,7 @@ def test_lookup_longest_cached_prefix(student):
     a_tokens = list(range(1, 14))  # 13 tokens: blocks [1-4] [5-8] [9-12] full and cached in blocks 0, 1, 2
     cases = [("b", list(range(1, 11)), ([0, 1], 8)), ("c", list(range(1, 6)) + [40] * 6, ([0], 4)),
              ("d", [40] + a_tokens[1:], ([], 0)), ("e", a_tokens + [60, 61], ([0, 1, 2], 12))]
-    with plug(student, LAB):
+    with plug(student, LAB, only=['get_computed_blocks']):
         kvm = _warm(a_tokens)
         for rid, tokens, want in cases:
             expect_equal(_lookup(kvm, make_request(rid, tokens)), want,
@@ -156,7 +157,7 @@ def test_lookup_never_full_hit(student):
     generated tokens included."""
     req = make_request("c", list(range(1, 6)))  # a 5-token prompt that generated 6 tokens: [1..11]
     req.output_token_ids = list(range(6, 12))
-    with plug(student, LAB):
+    with plug(student, LAB, only=['get_computed_blocks']):
         kvm = _warm(list(range(1, 9)) + [70])  # blocks [1-4] and [5-8] cached in blocks 0 and 1
         for tokens, want in ((list(range(1, 9)), ([0], 4)), (list(range(1, 10)), ([0, 1], 8)),
                              (list(range(1, 5)), ([], 0))):
@@ -178,7 +179,7 @@ def test_lookup_stops_at_first_miss(student):
     middle = kvm.req_to_blocks["a"][1]
     del pool.cached_blocks[middle.block_hash]  # as if block [5-8] had been evicted and reused
     middle.block_hash = None
-    with plug(student, LAB):
+    with plug(student, LAB, only=['get_computed_blocks']):
         got = _lookup(kvm, make_request("b", list(range(1, 14))))
     expect_equal(got, ([0], 4), "blocks [1-4] and [9-12] are cached (blocks 0 and 2) but [5-8] is not: a request of "
                                 "tokens 1..13, (hit block ids, tokens); block [9-12]'s KV needs [5-8]'s KV first")
@@ -257,7 +258,7 @@ def test_evicts_least_recently_used_first(student):
     """Free cached blocks are evicted in the order they were freed; a hit makes a block most recent."""
     pool, blocks, hashes = _cached_pool(6)
     _free(pool, [blocks[3], blocks[1], blocks[5]])  # free queue, front to back: 3, 1, 5
-    with plug(student, LAB):
+    with plug(student, LAB, only=['get_new_blocks', 'touch']):
         expect_equal(_ids(pool.get_new_blocks(1)), [3],
                      "blocks 0..5 cached, freed in the order 3, 1, 5 (free queue [3, 1, 5]): get_new_blocks(1), the "
                      "least recently used first")
@@ -275,7 +276,7 @@ def test_touch_takes_hits_out_of_the_free_queue(student):
     """touch: a free cached block leaves the free queue (never handed out while used); a used block gains a holder."""
     pool, blocks, hashes = _cached_pool(4)
     _free(pool, [blocks[0], blocks[2]])
-    with plug(student, LAB):
+    with plug(student, LAB, only=['get_new_blocks', 'touch']):
         pool.touch([blocks[2], blocks[1]])  # 2 was free and cached; 1 is in use by someone else
         expect_equal(([b.ref_cnt for b in blocks], list(pool.free_queue)), ([0, 2, 1, 1], [0]),
                      "blocks 0..3 cached, 0 and 2 free (free queue [0, 2]): touch([block 2, block 1]), then (ref_cnt "
@@ -291,7 +292,7 @@ def test_eviction_forgets_the_hash(student):
     """Handing out a cached block evicts it: its hash leaves the map, so no later request hits stale KV."""
     pool, blocks, hashes = _cached_pool(3)
     _free(pool, [blocks[1], blocks[0]])
-    with plug(student, LAB):
+    with plug(student, LAB, only=['get_new_blocks', 'touch']):
         got = pool.get_new_blocks(1)
     expect_equal((_ids(got), blocks[1].block_hash, pool.get_cached_block(hashes[1]) is None,
                   pool.get_cached_block(hashes[0]) is blocks[0]), ([1], None, True, True),
