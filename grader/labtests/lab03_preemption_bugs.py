@@ -8,6 +8,8 @@ BUGS = [
                "victim = max(self.running, key=lambda r: (r.priority, -r.arrival_time))"),
     PlantedBug("victim_ignores_priority", VICTIM, "victim = max(self.running, key=lambda r: r.arrival_time)"),
     PlantedBug("victim_most_important", VICTIM, "victim = min(self.running, key=lambda r: (r.priority, r.arrival_time))"),
+    # vLLM v1's FCFS rule (the tail of the running list) where this engine uses the priority rule
+    PlantedBug("victim_running_tail", VICTIM, "victim = self.running[-1]"),
     PlantedBug("recompute_keeps_progress", "        victim.num_computed_tokens = 0\n", ""),
     PlantedBug("recompute_to_the_back", "self.waiting.appendleft(victim)", "self.waiting.append(victim)"),
     PlantedBug("swapped_queue_unsorted",
@@ -21,10 +23,20 @@ BUGS = [
     PlantedBug("forced_swap_without_cpu_room", " or not self.kv_cache_manager.can_swap_out(request)", ""),
     PlantedBug("swap_out_copies_whole_table", "n = cdiv(request.num_computed_tokens, self.block_size)",
                "n = len(self.req_to_blocks.get(rid, []))"),
+    # the find-the-bug task's own bug, written by the learner: the partly written last block is not copied
+    PlantedBug("swap_out_full_blocks_only", "n = cdiv(request.num_computed_tokens, self.block_size)",
+               "n = request.num_computed_tokens // self.block_size"),
     PlantedBug("swap_out_leaks_gpu_blocks", "    self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(rid, [])))\n",
                "    self.req_to_blocks.pop(rid, [])\n"),
+    # performance only: a request back from the CPU never caches its later blocks again (fewer prefix hits)
+    PlantedBug("swap_out_keeps_cached_count", "    self.num_cached_blocks.pop(rid, None)\n", ""),
     PlantedBug("swap_in_leaks_cpu_blocks", "    self.cpu_block_pool.free_blocks(self.req_to_cpu_blocks.pop(rid, []))\n",
                "    self.req_to_cpu_blocks.pop(rid, [])\n"),
     PlantedBug("swap_in_pairs_reversed", "mapping = [(c.block_id, g.block_id) for c, g in zip(cpu_blocks, gpu_blocks)]",
                "mapping = [(g.block_id, c.block_id) for c, g in zip(cpu_blocks, gpu_blocks)]"),
+    # find the bug: a failing input on which the buggy version happens to be right (whole blocks of KV)
+    PlantedBug("failing_input_on_a_block_boundary", "return (6, 2)", "return (8, 2)"),
+    # prediction: the busy step's own KV reads forgotten: it looks compute-bound much earlier
+    PlantedBug("prediction_ignores_the_batch_kv", "read_s = (2 * params / tp + 64 * 2000 * kv_per_gpu)",
+               "read_s = (2 * params / tp)"),
 ]

@@ -19,5 +19,9 @@ BUGS = [
     PlantedBug("evicts_most_recently_used", "self.free_queue.popitem(last=False)", "self.free_queue.popitem(last=True)"),
     PlantedBug("eviction_keeps_hash", "                del self.cached_blocks[block.block_hash]\n            block.block_hash = None",
                "                pass"),
+    # find the bug: both cached blocks in a row, no gap: the buggy filter happens to be right
+    PlantedBug("failing_input_without_a_gap", "return (13, {0, 2})", "return (13, {0, 1})"),
+    # prediction: the partial last block of the prefix counted as cached
+    PlantedBug("prediction_caches_the_partial_block", "shared = 248 // 16 * 16", "shared = 248"),
     PlantedBug("touch_leaves_block_free", "            del self.free_queue[block.block_id]\n", "            pass\n"),
 ]
