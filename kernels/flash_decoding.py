@@ -13,7 +13,7 @@ unsplit attention up to fp32 rounding; `kernels.reference.paged_attention_decode
 contract, and the Triton decode kernel computes these same partials (in base 2).
 
 Everything here is for clarity, one sequence at a time, in fp32: the CPU tests check that splitting
-changes nothing, and lab 07 has the learner write `merge_partials`.
+changes nothing.
 """
 from __future__ import annotations
 
@@ -44,7 +44,6 @@ def attend_range(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return torch.einsum("hn,nhd->hd", (logits - lse[:, None]).exp(), v), lse
 
 
-# seam: lab 07 (planned)
 def merge_partials(outputs: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """Merge split results: outputs `[..., S, D]` (each normalised over its range), lse `[..., S]`
     (natural log-sum-exp of each range's logits; -inf for an empty range) -> `[..., D]`. Weights are
