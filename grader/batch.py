@@ -78,7 +78,7 @@ class Limits:
     timeout_s: float  # wall clock for a whole submission, every restart included
     memory_bytes: int  # address space of each of its processes
     threads: int = 1  # torch/OpenMP threads per submission: jobs x threads <= cores, or OpenMP spin-waits thrash
-    test_timeout_s: float = 60.0  # wall clock per test
+    test_timeout_s: float = 120.0  # wall clock per test (nbgrader_config.py: c.Execute.timeout = 120 per cell)
     load_timeout_s: float = 120.0  # wall clock to start Python, import the engine and load the notebook
     processes: int = 64  # processes and threads of one sandbox
 
@@ -271,9 +271,8 @@ def run_child(setup: Setup, notebook: Path, scratch: Path, tests: list[str], dea
         local = work / f"{lab}.ipynb"
         shutil.copyfile(notebook, local)
         kit = REPO_ROOT if setup.trusted else setup.kit
-        env = {**os.environ, **_env(limits.threads, str(kit))}
-        if setup.trusted:
-            env["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+        env = {**os.environ, "PYTHONPATH": str(kit), "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1",
+               "OMP_NUM_THREADS": str(limits.threads)}  # the instructor's environment (caches, HOME) as it is
         command = [sys.executable, "-m", "grader.child", *child_args, "--notebook", str(local),
                    "--log", str(files["observations.jsonl"]), "--results", str(files["outcomes.json"]),
                    "--progress", str(files["progress.txt"])]
@@ -583,9 +582,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=1, help="submissions graded at once (default 1)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds per submission, every test and restart included (default 600)")
-    parser.add_argument("--test-timeout", type=float, default=60.0,
+    parser.add_argument("--test-timeout", type=float, default=120.0,
                         help="seconds per test (and to load the notebook): a test past it scores 0, the rest "
-                             "still run (default 60)")
+                             "still run (default 120, as nbgrader's cell timeout)")
     parser.add_argument("--memory-gb", type=float, default=8.0,
                         help="address space per process of a submission (default 8)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default out/grades_NN_name)")
