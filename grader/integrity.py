@@ -1,34 +1,71 @@
-"""Tamper evidence for batch grading, judged by the parent: files a submission's process changed.
+"""What the trusted parent of batch grading does with files a submission could have touched.
 
-`tree_digest` / `changed_files` catch a submission that edits its private grading kit or writes
-into the output folder; `restore` puts the output folder back. The pass/fail decision itself does
-not trust the submission's process at all (grader/compare.py).
+- `tree_hashes` / `changed_files`: the grading kit and the lab's tests are hashed when the batch
+  starts and checked when it ends (streamed: a file is never read whole into memory).
+- `read_bounded`: every file a submission's process wrote (its observation log, outcomes, output)
+  is read through this: no symbolic links followed, regular files only, at most `limit` bytes (a
+  sparse file of many GiB costs nothing).
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import stat
 from pathlib import Path
 
-
-def tree_digest(root: Path) -> dict[str, bytes]:
-    """Contents of every file under `root` (no caches), to compare and to restore."""
-    return {
-        str(p.relative_to(root)): p.read_bytes()
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and "__pycache__" not in p.parts
-    }
+CHUNK = 1 << 20
 
 
-def changed_files(before: dict[str, bytes], root: Path) -> list[str]:
-    after = tree_digest(root)
+def file_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        while chunk := os.read(fd, CHUNK):
+            h.update(chunk)
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    """sha256 of every file under `root` (a file, or a folder walked without following links), by
+    path relative to `root`'s folder; links are recorded as "link -> target"."""
+    root = Path(root)
+    if not root.is_dir():
+        return {root.name: file_hash(root)} if root.is_file() else {}
+    found: dict[str, str] = {}
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in [*files, *(d for d in dirs if os.path.islink(os.path.join(folder, d)))]:
+            path = Path(folder) / name
+            rel = str(path.relative_to(root))
+            found[rel] = f"link -> {os.readlink(path)}" if path.is_symlink() else file_hash(path)
+    return found
+
+
+def changed_files(before: dict[str, str], root: Path) -> list[str]:
+    """Files added, removed or changed under `root` since `before = tree_hashes(root)`."""
+    after = tree_hashes(root)
     return sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
 
 
-def restore(before: dict[str, bytes], root: Path) -> None:
-    """Puts the folder back as it was (a tampering submission must not affect the next one)."""
-    for name in changed_files(before, root):
-        path = root / name
-        if name in before:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(before[name])
-        else:
-            path.unlink()
+def read_bounded(path: Path, limit: int, tail: bool = False) -> bytes | None:
+    """At most `limit` bytes of a regular file (its last ones with `tail`); None when the file is
+    missing, a link or not a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        if tail and info.st_size > limit:
+            os.lseek(fd, info.st_size - limit, os.SEEK_SET)
+        parts, left = [], limit
+        while left > 0 and (chunk := os.read(fd, min(CHUNK, left))):
+            parts.append(chunk)
+            left -= len(chunk)
+        return b"".join(parts)
+    finally:
+        os.close(fd)

@@ -64,6 +64,7 @@ class Graded:
     results: list[TestResult]
     reason: str = ""
     notes: list[str] = field(default_factory=list)
+    manual: list[tuple[str, float]] = field(default_factory=list)  # (grade_id, points) the instructor grades by hand
 
     @property
     def points(self) -> float:
@@ -72,3 +73,8 @@ class Graded:
     @property
     def max_points(self) -> float:
         return sum(r.max_points for r in self.results)
+
+    @property
+    def manual_points(self) -> float:
+        """Points of manually graded cells: never earned here, listed for the instructor."""
+        return sum(points for _, points in self.manual)

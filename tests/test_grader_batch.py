@@ -1,150 +1,117 @@
-"""`python -m grader batch`: every submission in its own limited process, judged from its observations
-against a trusted reference run; zero with a reason for the ones that hang, crash, tamper or use the
-engine's own implementation, and everyone else still graded."""
+"""`python -m grader batch`: the parts around the sandboxed runs. The hostile class itself (honest and
+attacking submissions graded together in the sandbox) is tests/adversarial/test_adversarial_class.py."""
 from __future__ import annotations
 
 import csv
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-import nbformat
 import pytest
 
-from grader.batch import Limits, Reference, grade_all
+from grader.batch import Limits, find_notebook, grade_all, manual_cells, snapshot, write_csv, Submission
 from grader.labs import REPO_ROOT
-
-pytestmark = pytest.mark.slow  # ~30 s: a reference run and a dozen children, each importing the engine
+from grader.report import write_html
+from grader.results import Graded, TestResult
 
 SOLUTION = REPO_ROOT / "solutions" / "00_warmup" / "00_warmup.ipynb"
-ANSWER = "return (num_tokens + block_size - 1) // block_size"
-TIMEOUT_S = 300  # generous: a loaded machine must not time out a correct child (the time limit is tested alone)
-
-# name -> replacement of the solution's answer line, or an (old, new) edit
-SUBMISSIONS = {
-    "correct": ANSWER,
-    "half_right": "return max(1, (num_tokens + block_size - 1) // block_size)",  # wrong for 0 tokens only
-    "segfault": "import os, signal\n    os.kill(os.getpid(), signal.SIGSEGV)",
-    "memory_hog": "return len(bytearray(2**34))",
-    "tamper_edit_tests": (
-        "return 0\nimport grader.labtests\n"
-        "_p = __import__('pathlib').Path(grader.labtests.__file__).with_name('lab00_warmup.py')\n"
-        "_p.write_text(_p.read_text() + '\\n')"
-    ),
-    # its own outcomes and a log of completed tests, written at exit: the parent trusts neither
-    "forges_its_results": (
-        "return 0\nimport atexit, sys, json\n"
-        "_a = sys.argv\n"
-        "_TESTS = ['test_whole_blocks', 'test_partial_block', 'test_edge_cases', 'test_matches_specification', "
-        "'test_the_scheduler_sizes_block_tables_with_it']\n"
-        "def _forge():\n"
-        "    open(_a[_a.index('--results') + 1], 'w').write(json.dumps({'results': [], 'cell_errors': []}))\n"
-        "    open(_a[_a.index('--log') + 1], 'w').write(''.join(json.dumps({'test': t, 'observations': [], "
-        "'completed': True}) + '\\n' for t in _TESTS))\n"
-        "atexit.register(_forge)"
-    ),
-    "delegates": "from engine_core.core.kv_cache_manager import cdiv\n    return cdiv(num_tokens, block_size)",
-    "raises_at_import": ("def num_blocks_needed", "raise RuntimeError('boom at import')\ndef num_blocks_needed"),
-}
 
 
-def make_submission(root: Path, student: str, answer: str | tuple[str, str]) -> None:
-    folder = root / student / "00_warmup"  # nbgrader's submitted/<student>/<assignment>/ layout
-    folder.mkdir(parents=True)
-    nb = nbformat.read(SOLUTION, as_version=4)
-    old, new = answer if isinstance(answer, tuple) else (ANSWER, answer)
-    for cell in nb.cells:
-        cell.source = cell.source.replace(old, new)
-    nbformat.write(nb, folder / "00_warmup.ipynb")
-    # a copy of the tests that always pass, next to the notebook: must never be used
-    (folder / "test_fake.py").write_text("def test_everything():\n    pass\n")
+def _nb(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(SOLUTION.read_bytes())
+    return path
 
 
-@pytest.fixture(scope="module")
-def batch(tmp_path_factory) -> tuple[dict[str, list[dict]], str, Path]:
-    root = tmp_path_factory.mktemp("submitted")
-    for student, answer in SUBMISSIONS.items():
-        make_submission(root, student, answer)
-    (root / "no_notebook").mkdir()
-    out = tmp_path_factory.mktemp("grades")
-    done = subprocess.run(
-        [sys.executable, "-m", "grader", "batch", str(root), "--lab", "00_warmup", "--jobs", "3",
-         "--timeout", str(TIMEOUT_S), "--memory-gb", "2", "--out", str(out)],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows: dict[str, list[dict]] = {}
-    with open(out / "grades.csv") as f:
-        for row in csv.DictReader(f):
-            rows.setdefault(row["student"], []).append(row)
-    return rows, done.stdout, out
+def test_nbgrader_path_wins_and_other_copies_are_noted(tmp_path):
+    chosen = _nb(tmp_path / "00_warmup" / "00_warmup.ipynb")
+    _nb(tmp_path / "old" / "00_warmup.ipynb")
+    _nb(tmp_path / "00_warmup" / "00_warmup-Copy1.ipynb")
+    notebook, problem, notes = find_notebook(tmp_path, "00_warmup")
+    assert (notebook, problem) == (chosen, "")
+    assert notes == ["graded 00_warmup/00_warmup.ipynb; ignored old/00_warmup.ipynb (nbgrader's rule)"]
 
 
-def total(rows: list[dict]) -> float:
-    return sum(float(r["points"]) for r in rows)
+def test_flat_and_single_deep_layouts_are_accepted(tmp_path):
+    flat = _nb(tmp_path / "a" / "00_warmup.ipynb")
+    assert find_notebook(tmp_path / "a", "00_warmup")[0] == flat
+    deep = _nb(tmp_path / "b" / "x" / "y" / "00_warmup.ipynb")
+    assert find_notebook(tmp_path / "b", "00_warmup")[0] == deep
 
 
-def test_grades_csv_has_one_row_per_student_and_official_test(batch):
-    rows, _, _ = batch
-    assert set(rows) == set(SUBMISSIONS) | {"no_notebook"}
-    for student, student_rows in rows.items():
-        assert [r["test"] for r in student_rows] == [
-            "test_whole_blocks", "test_partial_block", "test_edge_cases", "test_matches_specification",
-        "test_the_scheduler_sizes_block_tables_with_it"], student
+def test_two_notebooks_elsewhere_are_refused_with_the_reason(tmp_path):
+    _nb(tmp_path / "a" / "00_warmup.ipynb")
+    _nb(tmp_path / "b" / "00_warmup.ipynb")
+    notebook, problem, _ = find_notebook(tmp_path, "00_warmup")
+    assert notebook is None
+    assert problem == ("2 notebooks named 00_warmup.ipynb (a/00_warmup.ipynb, b/00_warmup.ipynb) and none at "
+                       "00_warmup/00_warmup.ipynb: nbgrader grades only <student>/00_warmup/00_warmup.ipynb; put "
+                       "the one to grade there")
 
 
-def test_correct_and_half_right_are_graded_on_their_merits(batch):
-    rows, _, _ = batch
-    assert total(rows["correct"]) == 5
-    assert total(rows["half_right"]) == 3
-    failed = {r["test"]: r["message"] for r in rows["half_right"] if r["status"] == "failed"}
-    assert failed["test_edge_cases"] == "num_blocks_needed(0, 16): no tokens, no block\n  expected: 0\n  got:      1"
+def test_links_and_other_names_are_never_graded(tmp_path):
+    (tmp_path / "00_warmup").mkdir()
+    (tmp_path / "00_warmup" / "00_warmup.ipynb").symlink_to(SOLUTION)
+    _nb(tmp_path / "00_warmup" / "my_answers.ipynb")
+    notebook, problem, notes = find_notebook(tmp_path, "00_warmup")
+    assert notebook is None
+    assert problem == ("no 00_warmup.ipynb in the submission (found: 00_warmup/my_answers.ipynb; nbgrader grades "
+                       "only the notebook named 00_warmup.ipynb)")
+    assert notes == ["00_warmup/00_warmup.ipynb is a symbolic link: not graded"]
 
 
-@pytest.mark.parametrize(
-    "student, status, reason",
-    [
-        ("segfault", "crashed", "died of SIGSEGV"),
-        ("tamper_edit_tests", "tampered", "grader/labtests/lab00_warmup.py"),
-        ("forges_its_results", "failed", "checks"),
-        ("delegates", "delegated", "uses the reference implementation: your `num_blocks_needed` calls the engine's "
-                                   "kv_cache_manager.cdiv"),
-        ("no_notebook", "missing", "no 00_warmup.ipynb"),
-    ],
-)
-def test_bad_submissions_score_zero_with_the_reason(batch, student, status, reason):
-    rows, stdout, _ = batch
-    assert total(rows[student]) == 0
-    assert {r["status"] for r in rows[student]} == {status}
-    assert all(reason in r["message"] for r in rows[student]), rows[student][0]["message"]
-    assert student in stdout
+def test_snapshots_are_private_copies_made_before_any_run(tmp_path, monkeypatch):
+    import grader.batch as batch
+
+    a = _nb(tmp_path / "sub" / "a" / "00_warmup.ipynb")
+    b = _nb(tmp_path / "sub" / "b" / "00_warmup.ipynb")
+    monkeypatch.setattr(batch, "MAX_NOTEBOOK_BYTES", a.stat().st_size)
+    b.write_bytes(b.read_bytes() + b" ")  # one byte over the limit
+    subs = [Submission("a", a), Submission("b", b)]
+    (tmp_path / "private").mkdir()
+    snapshot(subs, tmp_path / "private")
+    a.write_text("edited later")
+    assert subs[0].snapshot.read_bytes() == SOLUTION.read_bytes()
+    assert subs[1].snapshot is None and subs[1].problem == "refused: the notebook is larger than 0 MiB"
 
 
-def test_memory_limit_fails_the_test_that_allocates(batch):
-    rows, _, _ = batch
-    assert total(rows["memory_hog"]) == 0
-    assert all("MemoryError" in r["message"] for r in rows["memory_hog"]), rows["memory_hog"][0]["message"]
+def test_manually_graded_cells_are_listed_not_earned(tmp_path):
+    nb = json.loads(SOLUTION.read_text())
+    nb["cells"].append({"cell_type": "markdown", "id": "why", "source": "Explain ...", "metadata": {
+        "nbgrader": {"grade": True, "solution": True, "locked": False, "points": 3, "grade_id": "explain_why",
+                     "schema_version": 3}}})
+    (tmp_path / "nb.ipynb").write_text(json.dumps(nb))
+    manual = manual_cells("00_warmup", tmp_path / "nb.ipynb")
+    assert manual == [("explain_why", 3.0)]
+    g = Graded("ada", [TestResult("test_x", "x", 2.0)], manual=manual)
+    assert (g.points, g.max_points, g.manual_points) == (2.0, 2.0, 3.0)
+    write_csv([g], tmp_path / "grades.csv")
+    with open(tmp_path / "grades.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows[1] == {"student": "ada", "test": "explain_why", "points": "", "status": "manual",
+                       "message": "3 points graded by the instructor"}
+    write_html([g], "00_warmup", tmp_path / "report.html")
+    assert "2 / 2 (+ 3 points graded by the instructor)" in (tmp_path / "report.html").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["grades.csv", "nb.ipynb", "report.html"]  # no temp files
 
 
-def test_an_error_at_import_names_the_cell(batch):
-    rows, _, out = batch
-    assert total(rows["raises_at_import"]) == 0
-    reason = "`num_blocks_needed` is not defined because cell 4 of 00_warmup.ipynb: RuntimeError: boom at import"
-    assert all(r["message"] == reason for r in rows["raises_at_import"]), rows["raises_at_import"][0]["message"]
-    assert "cell 4 of 00_warmup.ipynb: RuntimeError: boom at import" in (out / "report.html").read_text()
+def test_without_bwrap_the_batch_refuses_and_says_how_to_install_it(tmp_path):
+    (tmp_path / "sub" / "a").mkdir(parents=True)
+    env = {**os.environ, "PATH": str(tmp_path)}  # no bwrap on it
+    done = subprocess.run([sys.executable, "-m", "grader", "batch", str(tmp_path / "sub"), "--lab", "00_warmup",
+                           "--out", str(tmp_path / "out")], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert "apt-get install bubblewrap" in done.stderr and "--unsafe-no-sandbox" in done.stderr
+    assert not (tmp_path / "out" / "grades.csv").exists()
 
 
-def test_the_html_report_lists_everyone(batch):
-    _, _, out = batch
-    html = (out / "report.html").read_text()
-    for student in SUBMISSIONS:
-        assert f"id='{student}'" in html
-
-
-def test_a_submission_past_the_time_limit_scores_zero(tmp_path):
-    """The time limit alone (no reference needed: the verdict comes before any comparison)."""
-    make_submission(tmp_path / "submitted", "endless_loop", "while True:\n        pass")
-    limits = Limits(timeout_s=3, memory_bytes=2**31)
-    (graded,) = grade_all(tmp_path / "submitted", "00_warmup", limits, tmp_path / "out", reference=Reference({}, {}))
-    assert graded.points == 0 and graded.reason == "timed out after 3 s (an endless loop?)"
-    assert {r.status for r in graded.results} == {"timeout"}
+@pytest.mark.slow
+def test_unsafe_mode_still_grades(tmp_path):
+    """--unsafe-no-sandbox (trusted code only): the same judging, no sandbox."""
+    _nb(tmp_path / "sub" / "ada" / "00_warmup" / "00_warmup.ipynb")
+    (graded,) = grade_all(tmp_path / "sub", "00_warmup", Limits(300, 2**31), tmp_path / "out",
+                          unsafe_no_sandbox=True)
+    assert (graded.points, graded.max_points, graded.reason) == (5, 5, "")
