@@ -5,7 +5,8 @@ engine's BlockPool and `allocate_slots(self, request, num_new_tokens, new_comput
 of its KVCacheManager, as plain functions (the seams in grader/seams.py). Every test runs inside
 `plug(student, LAB)`; unit tests build the pool's state directly (ref counts, free queue, block
 tables, cache entries: no seam runs during set-up), so one wrong function fails its own tests,
-and allocate_slots' tests, which need the learner's get_new_blocks. The end-to-end tests run
+and allocate_slots' tests, which need the learner's get_new_blocks. One more graded function is a
+prediction, `predicted_waste_per_request(block_size)`, checked against the hand-derived mean. The end-to-end tests run
 tiny-llama with all three and compare tokens, preemptions and prefix-cache hits with the
 reference engine's, computed after the plug ends. Expected block counts are hand arithmetic:
 blocks = ceil(tokens / block_size). Every check is an `expect_*` observation.
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from grader.harness import BlockHash, BlockPool, Request, SamplingParams, build_manager, build_pool, run_engine
-from grader.observe import expect_equal, expect_raises
+from grader.observe import expect_close, expect_equal, expect_raises
 from grader.plug import plug
 
 LAB = "02_paged_kv_blocks"
@@ -213,6 +214,8 @@ def test_allocate_slots_with_prefix_hits(student):
         expect_equal(_ids(kvm.allocate_slots(q, 3, hits)), [2], "then allocate_slots(q, 3, hits): 8 + 3 positions")
         expect_equal((kvm.get_block_ids("q"), _state(pool)), ([0, 1, 2], {"free queue": [], "ref_cnt": [1, 1, 1]}),
                      "(q's table, the pool): hits first, then the new block; q holds its hits now (touch them)")
+        expect_equal(kvm.num_cached_blocks.get("q"), 2,
+                     "num_cached_blocks['q'] after 2 hits: the table's length right after the hits (already cached)")
         r = _request("r", 9)  # shares q's first two blocks, which are in use
         expect_equal(_ids(kvm.allocate_slots(r, 0, hits)), [], "r hits q's blocks 0 and 1 (in use): allocate_slots(r, 0, hits)")
         expect_equal([b.ref_cnt for b in hits], [2, 2], "ref_cnt of blocks 0 and 1: hits held by another request gain a holder")
@@ -322,3 +325,19 @@ def test_engine_tokens_match_with_prefix_caching(student):
     """The same with a shared 12-token prefix and prefix caching: the reference tokens, preemptions and
     prefix-cache hits (hits lost to an early eviction or over-allocation show here)."""
     _check_engine(student, prefix=True)
+
+
+# ---- prediction: what paging still wastes ----------------------------------------------------
+
+@pytest.mark.points(2)
+@pytest.mark.task("prediction")
+def test_predicted_waste_per_request(student):
+    """A length that ends at offset k = 1 .. block_size of its last block (equally likely) leaves
+    block_size - k slots empty: 0 .. block_size - 1, mean (block_size - 1) / 2 (7.5 slots for blocks of 16).
+
+    Tolerance: atol 0.5 accepts the continuous approximation block_size / 2 and rejects the bound
+    (block_size - 1) or a whole block, which are off by 1.5 slots or more for every block size of 4 and up."""
+    got = [student.predicted_waste_per_request(b) for b in (1, 4, 16, 128)]
+    expect_close(got, [0.0, 1.5, 7.5, 63.5],
+                 "[predicted_waste_per_request(b) for b in (1, 4, 16, 128)]: the mean empty slots of a request's "
+                 "last block, its length ending at any offset of that block with equal probability", atol=0.5)
