@@ -340,6 +340,54 @@ def test_preemption_under_memory_pressure(student):
                                       "chunk left in the step or its tokens not given back to the budget change them")
 
 
+def _partly_prefilled(sched, runner, request, num_tokens):
+    """`request` admitted and the first `num_tokens` of its prompt computed (a first chunk), set up without
+    any seam of this lab."""
+    kvm = sched.kv_cache_manager
+    kvm.allocate_slots(request, num_tokens)
+    sched.requests[request.request_id] = request
+    request.status = RequestStatus.RUNNING
+    sched.running.append(request)
+    out = SchedulerOutput([ScheduledChunk(request, 0, num_tokens, kvm.get_block_ids(request.request_id), resumed=True)])
+    sched.update_from_output(out, runner.execute(out))
+
+
+VICTIM_PROMPTS = {"v": list(range(1, 23)), "a": list(range(30, 38)), "p": list(range(5, 29))}
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("schedule")
+def test_victim_chunk_dropped_and_its_budget_returned(student):
+    """A victim already scheduled in this step loses its chunk, and its tokens go back to the budget for
+    the requests after it (a budget left unused after a preemption keeps the tokens right but slows the step)."""
+    # 9 blocks of 4, budget 16, recompute. running [v (priority 2), a (0), p (1)]: v holds 6 blocks (22 tokens
+    # + 1 out: its decode fits), a 2 (8 + 1 out: its decode needs a 3rd block), p 1 (4 of 24 prompt tokens).
+    # v decodes (1); a finds no free block: the victim is v (lowest priority), its chunk goes, budget back to 16;
+    # a decodes (1); p gets the 15 left: positions 4-18, 4 more blocks of the 6 v freed.
+    sched = make_scheduler(9)
+    runner = FakeRunner.for_scheduler(sched)
+    for rid, priority in (("v", 2), ("a", 0)):
+        _prefilled(sched, runner, make_request(rid, VICTIM_PROMPTS[rid], max_tokens=3, priority=priority,
+                                               arrival=float(priority == 0)))
+    _partly_prefilled(sched, runner, make_request("p", VICTIM_PROMPTS["p"], max_tokens=3, priority=1, arrival=2.0), 4)
+    assert sched.kv_cache_manager.num_free_blocks == 0, "set-up: no free block (a test bug)"
+    with plug(student, LAB):
+        out = step(sched, runner)
+    expect_equal((chunks_of(out), out.preempted_request_ids), ([("a", 8, 1), ("p", 4, 15)], ["v"]),
+                 "budget 16, 9 blocks of 4 all held; running v (priority 2, decode fits), a (priority 0, its decode "
+                 "needs a block), p (priority 1, 4 of 24 prompt tokens done): (the chunks, the preempted ids)")
+    outputs = {}
+    with plug(student, LAB):
+        for _ in range(60):
+            if not sched.has_unfinished_requests():
+                break
+            out = sched.schedule()
+            outputs.update({r.request_id: list(r.output_token_ids) for r in sched.update_from_output(out, runner.execute(out))})
+    expect_equal((outputs, held_blocks(sched.kv_cache_manager)),
+                 ({rid: reference_output(prompt, 3) for rid, prompt in VICTIM_PROMPTS.items()}, []),
+                 "the same state run to completion: (tokens of v, a, p; blocks still held)")
+
+
 SWAPPED_PROMPTS = {"a": [7, 3, 5, 11], "b": [9, 3, 5, 11]}
 
 
