@@ -3,7 +3,8 @@
 The learner writes `get_new_blocks(self, num_blocks)` and `free_blocks(self, blocks)` of the
 engine's BlockPool and `allocate_slots(self, request, num_new_tokens, new_computed_blocks=None)`
 of its KVCacheManager, as plain functions (the seams in grader/seams.py). Every test runs inside
-`plug(student, LAB)`; unit tests build the pool's state directly (ref counts, free queue, block
+`plug(student, LAB)` (tasks 1 and 2 plug only their own function: the notebook checks them before the
+next one is written); unit tests build the pool's state directly (ref counts, free queue, block
 tables, cache entries: no seam runs during set-up), so one wrong function fails its own tests,
 and allocate_slots' tests, which need the learner's get_new_blocks. One more graded function is a
 prediction, `predicted_waste_per_request(block_size)`, checked against the hand-derived mean. The end-to-end tests run
@@ -45,7 +46,7 @@ def _request(rid: str, num_prompt_tokens: int, computed: int = 0) -> Request:
 @pytest.mark.task("get_new_blocks")
 def test_get_new_blocks_takes_the_front_of_the_free_queue(student):
     """Blocks leave from the front of the free queue (least recently freed first), with ref_cnt 1."""
-    with plug(student, LAB):
+    with plug(student, LAB, only=["get_new_blocks"]):
         pool = build_pool(6)
         got = pool.get_new_blocks(2)
         expect_equal(_ids(got), [0, 1], "a fresh pool of 6 blocks (free queue [0, 1, 2, 3, 4, 5]): get_new_blocks(2)")
@@ -64,7 +65,7 @@ def test_get_new_blocks_takes_the_front_of_the_free_queue(student):
 @pytest.mark.task("get_new_blocks")
 def test_get_new_blocks_rejects_bad_counts(student):
     """Asking for more blocks than are free (or fewer than 0) is a ValueError naming num_blocks, with nothing taken."""
-    with plug(student, LAB):
+    with plug(student, LAB, only=["get_new_blocks"]):
         pool = build_pool(3, held={0: 1})
         for bad in (3, -1):
             expect_raises(ValueError, pool.get_new_blocks, bad, match="num_blocks",
@@ -77,7 +78,7 @@ def test_get_new_blocks_rejects_bad_counts(student):
 @pytest.mark.task("get_new_blocks")
 def test_get_new_blocks_evicts_a_cached_block(student):
     """A free block that still holds a prefix's KV loses its cache entry when handed out for new tokens."""
-    with plug(student, LAB):
+    with plug(student, LAB, only=["get_new_blocks"]):
         pool = build_pool(3, free_order=[1, 2, 0], cached={0: (5, 6, 7, 8)})
         got = pool.get_new_blocks(3)
         expect_equal(_ids(got), [1, 2, 0], "free queue [1, 2, 0], block 0 free but cached: get_new_blocks(3)")
@@ -92,7 +93,7 @@ def test_get_new_blocks_evicts_a_cached_block(student):
 @pytest.mark.task("free_blocks")
 def test_free_blocks_counts_references(student):
     """A shared block stays in use until its last holder frees it; then it joins the free queue's tail."""
-    with plug(student, LAB):
+    with plug(student, LAB, only=["free_blocks"]):
         pool = build_pool(4, held={0: 2, 1: 1})
         pool.free_blocks([pool.blocks[0], pool.blocks[1]])
         expect_equal(_state(pool), {"free queue": [2, 3, 1], "ref_cnt": [1, 0, 0, 0]},
@@ -106,7 +107,7 @@ def test_free_blocks_counts_references(student):
 @pytest.mark.task("free_blocks")
 def test_free_blocks_keeps_the_given_order(student):
     """Freed blocks join the tail in the order given (the caller passes eviction order), from any iterable."""
-    with plug(student, LAB):
+    with plug(student, LAB, only=["free_blocks"]):
         pool = build_pool(5, held={0: 1, 1: 1, 2: 1, 3: 1})
         pool.free_blocks(iter([pool.blocks[3], pool.blocks[0], pool.blocks[2]]))  # the engine passes an iterator
         expect_equal(_state(pool), {"free queue": [4, 3, 0, 2], "ref_cnt": [0, 1, 0, 0, 0]},
@@ -118,7 +119,7 @@ def test_free_blocks_keeps_the_given_order(student):
 def test_free_blocks_rejects_a_double_free(student):
     """Freeing a block more often than it is held is a bug upstream: ValueError, raised before any ref
     count changes (a half-applied free would corrupt the pool)."""
-    with plug(student, LAB):
+    with plug(student, LAB, only=["free_blocks"]):
         pool = build_pool(3, held={1: 1})
         cases = [([0], "block 0, already free"), ([1, 0], "block 1 (held once), then block 0 (already free)"),
                  ([1, 1], "block 1 twice, but it is held once")]
@@ -134,7 +135,7 @@ def test_free_blocks_rejects_a_double_free(student):
 def test_free_blocks_keeps_cached_kv(student):
     """A freed block keeps its cached KV: a later request with the same prefix can take it back
     until get_new_blocks hands it out (freeing is not evicting)."""
-    with plug(student, LAB):
+    with plug(student, LAB, only=["free_blocks"]):
         pool = build_pool(3, held={0: 1, 1: 1}, cached={0: (1, 2, 3, 4), 1: (5, 6, 7, 8)})
         pool.free_blocks([pool.blocks[1], pool.blocks[0]])
         expect_equal([pool.get_cached_block(BlockHash(1000 + i, t)) is pool.blocks[i]
