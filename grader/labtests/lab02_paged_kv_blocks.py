@@ -3,9 +3,11 @@
 The learner writes `get_new_blocks(self, num_blocks)` and `free_blocks(self, blocks)` of the
 engine's BlockPool and `allocate_slots(self, request, num_new_tokens, new_computed_blocks=None)`
 of its KVCacheManager, as plain functions (the seams in grader/seams.py). Every test runs inside
-`plug(student, LAB)`; unit tests build the pool's state directly (ref counts, free queue, block
+`plug(student, LAB)` (tasks 1 and 2 plug only their own function: the notebook checks them before the
+next one is written); unit tests build the pool's state directly (ref counts, free queue, block
 tables, cache entries: no seam runs during set-up), so one wrong function fails its own tests,
-and allocate_slots' tests, which need the learner's get_new_blocks. The end-to-end tests run
+and allocate_slots' tests, which need the learner's get_new_blocks. One more graded function is a
+prediction, `predicted_waste_per_request(block_size)`, checked against the hand-derived mean. The end-to-end tests run
 tiny-llama with all three and compare tokens, preemptions and prefix-cache hits with the
 reference engine's, computed after the plug ends. Expected block counts are hand arithmetic:
 blocks = ceil(tokens / block_size). Every check is an `expect_*` observation.
@@ -17,7 +19,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from grader.harness import BlockHash, BlockPool, Request, SamplingParams, build_manager, build_pool, run_engine
-from grader.observe import expect_equal, expect_raises
+from grader.observe import expect_close, expect_equal, expect_raises
 from grader.plug import plug
 
 LAB = "02_paged_kv_blocks"
@@ -44,7 +46,7 @@ def _request(rid: str, num_prompt_tokens: int, computed: int = 0) -> Request:
 @pytest.mark.task("get_new_blocks")
 def test_get_new_blocks_takes_the_front_of_the_free_queue(student):
     """Blocks leave from the front of the free queue (least recently freed first), with ref_cnt 1."""
-    with plug(student, LAB):
+    with plug(student, LAB, only=["get_new_blocks"]):
         pool = build_pool(6)
         got = pool.get_new_blocks(2)
         expect_equal(_ids(got), [0, 1], "a fresh pool of 6 blocks (free queue [0, 1, 2, 3, 4, 5]): get_new_blocks(2)")
@@ -63,7 +65,7 @@ def test_get_new_blocks_takes_the_front_of_the_free_queue(student):
 @pytest.mark.task("get_new_blocks")
 def test_get_new_blocks_rejects_bad_counts(student):
     """Asking for more blocks than are free (or fewer than 0) is a ValueError naming num_blocks, with nothing taken."""
-    with plug(student, LAB):
+    with plug(student, LAB, only=["get_new_blocks"]):
         pool = build_pool(3, held={0: 1})
         for bad in (3, -1):
             expect_raises(ValueError, pool.get_new_blocks, bad, match="num_blocks",
@@ -76,7 +78,7 @@ def test_get_new_blocks_rejects_bad_counts(student):
 @pytest.mark.task("get_new_blocks")
 def test_get_new_blocks_evicts_a_cached_block(student):
     """A free block that still holds a prefix's KV loses its cache entry when handed out for new tokens."""
-    with plug(student, LAB):
+    with plug(student, LAB, only=["get_new_blocks"]):
         pool = build_pool(3, free_order=[1, 2, 0], cached={0: (5, 6, 7, 8)})
         got = pool.get_new_blocks(3)
         expect_equal(_ids(got), [1, 2, 0], "free queue [1, 2, 0], block 0 free but cached: get_new_blocks(3)")
@@ -91,7 +93,7 @@ def test_get_new_blocks_evicts_a_cached_block(student):
 @pytest.mark.task("free_blocks")
 def test_free_blocks_counts_references(student):
     """A shared block stays in use until its last holder frees it; then it joins the free queue's tail."""
-    with plug(student, LAB):
+    with plug(student, LAB, only=["free_blocks"]):
         pool = build_pool(4, held={0: 2, 1: 1})
         pool.free_blocks([pool.blocks[0], pool.blocks[1]])
         expect_equal(_state(pool), {"free queue": [2, 3, 1], "ref_cnt": [1, 0, 0, 0]},
@@ -105,7 +107,7 @@ def test_free_blocks_counts_references(student):
 @pytest.mark.task("free_blocks")
 def test_free_blocks_keeps_the_given_order(student):
     """Freed blocks join the tail in the order given (the caller passes eviction order), from any iterable."""
-    with plug(student, LAB):
+    with plug(student, LAB, only=["free_blocks"]):
         pool = build_pool(5, held={0: 1, 1: 1, 2: 1, 3: 1})
         pool.free_blocks(iter([pool.blocks[3], pool.blocks[0], pool.blocks[2]]))  # the engine passes an iterator
         expect_equal(_state(pool), {"free queue": [4, 3, 0, 2], "ref_cnt": [0, 1, 0, 0, 0]},
@@ -117,7 +119,7 @@ def test_free_blocks_keeps_the_given_order(student):
 def test_free_blocks_rejects_a_double_free(student):
     """Freeing a block more often than it is held is a bug upstream: ValueError, raised before any ref
     count changes (a half-applied free would corrupt the pool)."""
-    with plug(student, LAB):
+    with plug(student, LAB, only=["free_blocks"]):
         pool = build_pool(3, held={1: 1})
         cases = [([0], "block 0, already free"), ([1, 0], "block 1 (held once), then block 0 (already free)"),
                  ([1, 1], "block 1 twice, but it is held once")]
@@ -133,7 +135,7 @@ def test_free_blocks_rejects_a_double_free(student):
 def test_free_blocks_keeps_cached_kv(student):
     """A freed block keeps its cached KV: a later request with the same prefix can take it back
     until get_new_blocks hands it out (freeing is not evicting)."""
-    with plug(student, LAB):
+    with plug(student, LAB, only=["free_blocks"]):
         pool = build_pool(3, held={0: 1, 1: 1}, cached={0: (1, 2, 3, 4), 1: (5, 6, 7, 8)})
         pool.free_blocks([pool.blocks[1], pool.blocks[0]])
         expect_equal([pool.get_cached_block(BlockHash(1000 + i, t)) is pool.blocks[i]
@@ -213,6 +215,8 @@ def test_allocate_slots_with_prefix_hits(student):
         expect_equal(_ids(kvm.allocate_slots(q, 3, hits)), [2], "then allocate_slots(q, 3, hits): 8 + 3 positions")
         expect_equal((kvm.get_block_ids("q"), _state(pool)), ([0, 1, 2], {"free queue": [], "ref_cnt": [1, 1, 1]}),
                      "(q's table, the pool): hits first, then the new block; q holds its hits now (touch them)")
+        expect_equal(kvm.num_cached_blocks.get("q"), 2,
+                     "num_cached_blocks['q'] after 2 hits: the table's length right after the hits (already cached)")
         r = _request("r", 9)  # shares q's first two blocks, which are in use
         expect_equal(_ids(kvm.allocate_slots(r, 0, hits)), [], "r hits q's blocks 0 and 1 (in use): allocate_slots(r, 0, hits)")
         expect_equal([b.ref_cnt for b in hits], [2, 2], "ref_cnt of blocks 0 and 1: hits held by another request gain a holder")
@@ -322,3 +326,19 @@ def test_engine_tokens_match_with_prefix_caching(student):
     """The same with a shared 12-token prefix and prefix caching: the reference tokens, preemptions and
     prefix-cache hits (hits lost to an early eviction or over-allocation show here)."""
     _check_engine(student, prefix=True)
+
+
+# ---- prediction: what paging still wastes ----------------------------------------------------
+
+@pytest.mark.points(2)
+@pytest.mark.task("prediction")
+def test_predicted_waste_per_request(student):
+    """A length that ends at offset k = 1 .. block_size of its last block (equally likely) leaves
+    block_size - k slots empty: 0 .. block_size - 1, mean (block_size - 1) / 2 (7.5 slots for blocks of 16).
+
+    Tolerance: atol 0.5 accepts the continuous approximation block_size / 2 and rejects the bound
+    (block_size - 1) or a whole block, which are off by 1.5 slots or more for every block size of 4 and up."""
+    got = [student.predicted_waste_per_request(b) for b in (1, 4, 16, 128)]
+    expect_close(got, [0.0, 1.5, 7.5, 63.5],
+                 "[predicted_waste_per_request(b) for b in (1, 4, 16, 128)]: the mean empty slots of a request's "
+                 "last block, its length ending at any offset of that block with equal probability", atol=0.5)

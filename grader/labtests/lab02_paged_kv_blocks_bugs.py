@@ -34,4 +34,9 @@ BUGS = [
                "    num_free_hits = sum(1 for b in hits if b.ref_cnt == 0)\n",
                "    num_free_hits = sum(1 for b in hits if b.ref_cnt == 0)\n    self.block_pool.touch(hits)\n",
                more=(("        return None\n    self.block_pool.touch(hits)\n", "        return None\n"),)),
+    # lab 05's bookkeeping forgotten: the hits would be registered in the prefix cache again
+    PlantedBug("num_cached_blocks_not_set", "        self.num_cached_blocks[request.request_id] = len(table)\n", ""),
+    # the prediction: the bound (under one block) instead of the mean
+    PlantedBug("prediction_is_the_bound", "    return (block_size - 1) / 2", "    return block_size - 1"),
+    PlantedBug("prediction_is_a_block", "    return (block_size - 1) / 2", "    return float(block_size)"),
 ]
