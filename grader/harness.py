@@ -36,8 +36,9 @@ from engine_core.entrypoints.llm import LLM
 from engine_core.memory import GPUS, ModelSpec
 from engine_core.request import Request, RequestStatus, SamplingParams
 from engine_core.worker.kv_cache import KVCache
+from engine_core.worker.kv_scales import KVAmax, save_kv_amax
 
-__all__ = ["GPUS", "LLM", "BlockHash", "BlockPool", "EngineConfig", "EngineRun", "FakeRunner", "KVCache",
+__all__ = ["save_kv_amax", "GPUS", "LLM", "BlockHash", "BlockPool", "EngineConfig", "EngineRun", "FakeRunner", "KVAmax", "KVCache",
            "KVCacheBlock", "KVCacheManager", "LLMEngine", "build_manager", "build_pool", "ModelSpec", "Request", "RequestStatus", "SamplingParams",
            "ScheduledChunk", "Scheduler", "SchedulerOutput", "TINY_SPEC", "held_blocks", "make_engine",
            "make_request", "make_scheduler", "memory", "reference_output", "run_engine", "run_to_completion", "step"]

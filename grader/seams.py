@@ -58,6 +58,9 @@ def _state(owner: str, *names: str) -> tuple[str, ...]:
 
 LAB00, LAB01, LAB02, LAB03 = "00_warmup", "01_kv_cache_math", "02_paged_kv_blocks", "03_preemption"
 LAB04, LAB05, LAB06 = "04_chunked_prefill", "05_prefix_caching", "06_paged_attention_kernel"
+LAB08 = "08_fp8_kv_cache"
+FP8 = "kernels.fp8"
+KV_SCALES = "engine_core.worker.kv_scales"
 
 SEAMS: tuple[Seam, ...] = (
     # engine call sites pass cdiv's two arguments positionally; the exercise names them
@@ -112,6 +115,13 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB06, DECODE_ATTENTION, "paged_attention_decode", "paged_attention_decode",
          helpers=(f"{DECODE_ATTENTION}._decode_kernel", f"{DECODE_ATTENTION}._merge_kernel",
                   f"{KERNELS_REFERENCE}.paged_attention_decode")),
+
+    Seam(LAB08, FP8, "scale_from_amax", "scale_from_amax"),
+    Seam(LAB08, FP8, "quantize_fp8", "quantize_fp8"),
+    Seam(LAB08, FP8, "dequantize_fp8", "dequantize_fp8"),
+    Seam(LAB08, KV_SCALES, "amax_per_head", "amax_per_head"),
+    Seam(LAB08, f"{KV_SCALES}.KVAmax", "scales", "scales", _state(f"{KV_SCALES}.KVAmax", "key", "value")),
+    Seam(LAB08, KERNELS_REFERENCE, "reshape_and_cache", "reshape_and_cache"),
 )
 
 
