@@ -56,7 +56,7 @@ CONVERTED = [lab for lab in labs.available_labs() if not comparisons_left(labs.t
 
 
 def test_the_first_converted_labs_stay_converted():
-    assert {"00_warmup", "02_paged_kv_blocks"} <= set(CONVERTED)
+    assert {"00_warmup", "02_paged_kv_blocks", "08_fp8_kv_cache"} <= set(CONVERTED)
 
 
 @pytest.mark.parametrize("lab", CONVERTED)
