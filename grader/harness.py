@@ -41,8 +41,9 @@ from engine_core.models.lora import LoRAMapping, LoRAStack
 from engine_core.presets import preset_path
 from engine_core.request import Request, RequestStatus, SamplingParams
 from engine_core.worker.kv_cache import KVCache
+from engine_core.worker.kv_scales import KVAmax, save_kv_amax
 
-__all__ = ["GPUS", "LLM", "BlockHash", "BlockPool", "EngineConfig", "EngineRun", "FakeRunner", "KVCache",
+__all__ = ["save_kv_amax", "GPUS", "LLM", "BlockHash", "BlockPool", "EngineConfig", "EngineRun", "FakeRunner", "KVAmax", "KVCache",
            "KVCacheBlock", "KVCacheManager", "LLMEngine", "build_manager", "build_pool", "check_invariants", "ModelSpec", "Request", "RequestStatus", "SamplingParams",
            "ScheduledChunk", "Scheduler", "SchedulerOutput", "TINY_SPEC", "held_blocks", "make_engine",
            "make_request", "make_scheduler", "memory", "reference_output", "run_engine", "run_to_completion", "step",

@@ -63,6 +63,9 @@ LAB00, LAB01, LAB02, LAB03 = "00_warmup", "01_kv_cache_math", "02_paged_kv_block
 LAB04, LAB05, LAB06 = "04_chunked_prefill", "05_prefix_caching", "06_paged_attention_kernel"
 LAB09 = "09_multi_lora"
 _LORA_OPS = ("bgmv_shrink", "bgmv_expand", "sgmv_shrink", "sgmv_expand")
+LAB08 = "08_fp8_kv_cache"
+FP8 = "kernels.fp8"
+KV_SCALES = "engine_core.worker.kv_scales"
 
 SEAMS: tuple[Seam, ...] = (
     # engine call sites pass cdiv's two arguments positionally; the exercise names them
@@ -126,6 +129,12 @@ SEAMS: tuple[Seam, ...] = (
          + tuple(f"kernels.{op}" for op in _LORA_OPS)),
     Seam(LAB09, LORA_SLOT_POOL, "assign", "assign", _state(LORA_SLOT_POOL, "num_slots", "slot_of", "free_slots")),
     Seam(LAB09, SCHEDULER, "_lora_slot_available", "_lora_slot_available", _state(SCHEDULER, "config")),
+    Seam(LAB08, FP8, "scale_from_amax", "scale_from_amax"),
+    Seam(LAB08, FP8, "quantize_fp8", "quantize_fp8"),
+    Seam(LAB08, FP8, "dequantize_fp8", "dequantize_fp8"),
+    Seam(LAB08, KV_SCALES, "amax_per_head", "amax_per_head"),
+    Seam(LAB08, f"{KV_SCALES}.KVAmax", "scales", "scales", _state(f"{KV_SCALES}.KVAmax", "key", "value")),
+    Seam(LAB08, KERNELS_REFERENCE, "reshape_and_cache", "reshape_and_cache"),
 )
 
 

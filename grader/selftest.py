@@ -52,6 +52,7 @@ ENGINE_TESTS = {
     "06_paged_attention_kernel": tuple(f"tests/kernels/test_kernels_decode.py::test_decode_matches_oracle"
                                        f"[torch.{dtype}-{group}-{block_size}-1]" for dtype in ("float32", "float16")
                                        for group in (1, 2, 4) for block_size in (8, 16)),
+    "08_fp8_kv_cache": ("tests/test_fp8.py",),
     "09_multi_lora": ("tests/test_lora_slots.py", "tests/test_lora_scheduler.py"),
 }
 

@@ -55,7 +55,7 @@ def per_head(scale: float | torch.Tensor) -> float | torch.Tensor:
     return scale.float() if isinstance(scale, torch.Tensor) else scale
 
 
-# seam: lab 08 (planned)
+# seam: lab 08 (grader/seams.py)
 def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The scale that maps [-amax, amax] onto the format's whole range: amax / fp8_max(dtype), in fp32.
     An all-zero tensor (amax 0) gets scale 1: any scale stores zeros exactly, and 0 would divide by 0."""
@@ -63,7 +63,7 @@ def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(amax > 0, amax / fp8_max(dtype), torch.ones_like(amax))
 
 
-# seam: lab 08 (planned)
+# seam: lab 08 (grader/seams.py)
 def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
     """x `[..., num_kv_heads, head_dim]` / scale (per tensor or `[num_kv_heads]`) in fp32, saturated at
     +-fp8_max(dtype) (so +-inf and overflow store the largest value, never NaN), rounded to nearest even."""
@@ -71,7 +71,7 @@ def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtyp
     return (x.float() / per_head(scale)).clamp(-limit, limit).to(dtype)
 
 
-# seam: lab 08 (planned)
+# seam: lab 08 (grader/seams.py)
 def dequantize_fp8(x: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """code * scale in fp32, then cast to `dtype`: the value a kernel computes with."""
     return (x.float() * per_head(scale)).to(dtype)

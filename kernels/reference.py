@@ -16,6 +16,7 @@ from kernels.fp8 import cache_format, dequantize_fp8, is_fp8, quantize_fp8
 DECODE_GROUP = 8  # sequences per padded group in paged_attention_decode
 
 
+# seam: lab 08 (grader/seams.py)
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, kv_cache_dtype: str = "auto",
                       k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> None:

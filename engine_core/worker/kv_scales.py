@@ -45,6 +45,7 @@ class KVAmax:
     def per_head(self) -> bool:
         return self.key.shape[1] > 1
 
+    # seam: lab 08 (grader/seams.py)
     def scales(self, dtype: torch.dtype, per_head: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per layer, the K and V scales for an fp8 `dtype` cache: shape `[num_kv_heads]` if `per_head`,
         else `[]` (the layer's largest value over its heads). A per-tensor source gives `[1]` rows."""
@@ -52,6 +53,7 @@ class KVAmax:
         return list(scale_from_amax(k, dtype)), list(scale_from_amax(v, dtype))
 
 
+# seam: lab 08 (grader/seams.py)
 def amax_per_head(x: torch.Tensor) -> torch.Tensor:
     """max |x| per KV head of `[num_tokens, num_kv_heads, head_dim]`, in fp32: `[num_kv_heads]`."""
     return x.abs().amax(dim=(0, 2)).float()
