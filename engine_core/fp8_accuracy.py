@@ -6,7 +6,7 @@ For each model, one fp32-KV run (`kv_cache_dtype="auto"`) is the reference, then
 (e4m3, e5m2) with dynamic scales (`calculate_kv_scales`), static per-tensor and static per-head
 scales (calibrated with `engine_core.calibrate` on its default prompt set, not the test prompts):
 
-- free-running greedy agreement: the share of the 64 output tokens equal up to each prompt's first
+- free-running greedy agreement: the share of output tokens equal up to each prompt's first
   difference (paths diverge after it), and the share of prompts with identical outputs;
 - teacher forcing: both caches read the fp32 run's own sequence (one prefill of prompt + output,
   every row's logits): top-1 agreement per position and KL(p_fp32 || p_fp8), mean and max;
