@@ -3,30 +3,15 @@ are deterministic, so the lessons hold on a loaded machine: paging keeps interna
 block per request (about half a block on average) and runs more requests than contiguous reservations."""
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-import sys
-
 import numpy as np
+
+from cpu_hog import cpu_hog
 
 from engine_core.core.kv_cache_manager import KVCacheManager, cdiv
 from engine_core.request import Request, SamplingParams
 from grader.harness import FakeRunner, make_request, make_scheduler, step
 
 MAX_MODEL_LEN, MAX_TOKENS = 4096, 1024
-
-
-@contextlib.contextmanager
-def cpu_hog():
-    """One busy-looping process per core for the duration of the block (killed by their own ids)."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 def held_and_stored(prompts, outputs, block_size):

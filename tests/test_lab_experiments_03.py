@@ -8,26 +8,11 @@ sequences, more preemptions and more tokens computed per token delivered, in few
 """
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-import sys
-
 import numpy as np
 
+from cpu_hog import cpu_hog
+
 from grader.harness import FakeRunner, make_request, make_scheduler
-
-
-@contextlib.contextmanager
-def cpu_hog():
-    """A busy-looping subprocess per core for the duration of the block."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
-    try:
-        yield
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
 
 
 def thrash(max_num_seqs: int) -> dict[str, float]:

@@ -3,10 +3,7 @@ step priced with lab 01's roofline for Llama-3-8B on an H100), so it must hold o
 where the wall clock of tiny-llama on a CPU says nothing (chunked steps are even slower there)."""
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-import sys
+from cpu_hog import cpu_hog
 
 from engine_core import LLM, SamplingParams
 from engine_core.memory import GPUS, ModelSpec, num_params
@@ -16,18 +13,6 @@ LLAMA3_8B = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, n
 H100 = GPUS["H100-80GB"]
 LONG_PROMPT = [3 + (17 * k) % 500 for k in range(768)]
 NUM_STEPS, ARRIVAL, BUDGET = 24, 3, 64
-
-
-@contextlib.contextmanager
-def cpu_hog():
-    """One busy-looping process per core for the duration of the block (killed by their own ids)."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 def modelled_step_ms(num_tokens: int) -> float:

@@ -9,26 +9,11 @@ blocks of the prefix, and give the hit rate of the notebook's prediction at P = 
 """
 from __future__ import annotations
 
-import contextlib
-import os
-import subprocess
-import sys
+from cpu_hog import cpu_hog
 
 from grader.harness import FakeRunner, make_request, make_scheduler
 
 PREFIX_LENS, NUM_REQUESTS, QUESTION_LEN, BLOCK_SIZE = (0, 120, 248, 500), 6, 16, 16
-
-
-@contextlib.contextmanager
-def cpu_hog():
-    """A busy-looping subprocess per core for the duration of the block."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
-    try:
-        yield
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
 
 
 def _drain(sched, runner) -> None:

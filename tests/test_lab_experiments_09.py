@@ -3,11 +3,8 @@ of merged-one-adapter-at-a-time serving exceeds unmerged batched serving by the 
 with the same tokens, while a busy-looping process runs on every core (wall clock would not hold)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import torch
+from cpu_hog import cpu_hog
 
 from engine_core import LLM, LoRARequest, SamplingParams
 from engine_core.lora.adapter import load_adapter
@@ -25,8 +22,7 @@ def _steps(llm: LLM, prompts, lora_request) -> tuple[int, list[list[int]]]:
 
 
 def test_merged_serving_takes_more_steps_under_a_cpu_hog():
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
-    try:
+    with cpu_hog():
         prompts = [[(11 * i + j) % 400 + 3 for j in range(PROMPT_LEN)] for i in range(NUM_REQUESTS)]
         loras = [LoRARequest(f"a{k}", k + 1, str(adapter_path("tiny-llama", "r8-attn", k))) for k in range(NUM_ADAPTERS)]
         which = [i % NUM_ADAPTERS for i in range(NUM_REQUESTS)]
@@ -46,9 +42,5 @@ def test_merged_serving_takes_more_steps_under_a_cpu_hog():
             with torch.no_grad():
                 for p, v in zip(model.parameters(), saved):
                     p.copy_(v)
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
     assert (steps_u, steps_m) == (OUTPUT_LEN, NUM_ADAPTERS * OUTPUT_LEN)
     assert [tokens_m[i] for i in range(NUM_REQUESTS)] == tokens_u
