@@ -146,6 +146,12 @@ def command(argv: list[str], *, kit: Path, notebook: tuple[Path, str], outputs: 
             args.extend(["--symlink", os.readlink(d), d])
         elif os.path.isdir(d):
             args.extend(["--ro-bind", d, d])
+    # the private /tmp and /dev/shm first: a Python environment under /tmp (a checkout there) is bound
+    # over them below instead of being hidden by them
+    args.extend(["--dev", "/dev",
+                 "--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp",
+                 "--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/dev/shm"])
+    made.update({"/tmp", "/dev", "/dev/shm"})
     for f in SYSTEM_FILES:
         if os.path.exists(f):
             dirs_for(f)
@@ -160,10 +166,7 @@ def command(argv: list[str], *, kit: Path, notebook: tuple[Path, str], outputs: 
     args.extend(["--perms", "0755", "--dir", OUT])
     for host, name in outputs.items():
         args.extend(["--bind", str(host), f"{OUT}/{name}"])
-    args.extend(["--proc", "/proc", "--dev", "/dev",
-                 "--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/tmp",
-                 "--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", "/dev/shm",
-                 "--remount-ro", "/", "--chdir", WORK, "--clearenv"])
+    args.extend(["--proc", "/proc", "--remount-ro", "/", "--chdir", WORK, "--clearenv"])
     for key, value in env.items():
         args.extend(["--setenv", key, value])
     args.append("--")

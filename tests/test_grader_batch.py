@@ -115,3 +115,15 @@ def test_unsafe_mode_still_grades(tmp_path):
     (graded,) = grade_all(tmp_path / "sub", "00_warmup", Limits(300, 2**31), tmp_path / "out",
                           unsafe_no_sandbox=True)
     assert (graded.points, graded.max_points, graded.reason) == (5, 5, "")
+
+
+def test_an_environment_under_tmp_is_bound_over_the_private_tmp(monkeypatch, tmp_path):
+    """A checkout (and its .venv) under /tmp stays visible: the private /tmp is mounted before the binds."""
+    from grader import sandbox
+
+    monkeypatch.setattr(sandbox, "python_dirs", lambda: ["/tmp/clone/.venv"])
+    args = sandbox.command(["python"], kit=tmp_path, notebook=(tmp_path / "n.ipynb", "n.ipynb"), outputs={},
+                           env={}, limits=sandbox.Limits(memory_bytes=1 << 30, cpu_seconds=60))
+    tmpfs = [i for i, a in enumerate(args) if a == "--tmpfs" and args[i + 1] == "/tmp"]
+    venv = args.index("/tmp/clone/.venv", args.index("--ro-bind"))
+    assert len(tmpfs) == 1 and tmpfs[0] < venv, "the tmpfs on /tmp would hide the environment bound before it"
