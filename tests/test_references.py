@@ -64,6 +64,14 @@ def test_every_dotted_engine_name_resolves(name):
     assert not missing, f"{name} names things that do not exist: {missing}"
 
 
-def test_nothing_points_outside_the_repository():
-    outside = [name for name, text in TEXTS.items() if "DESIGN.md" in text or "../shared" in text]
-    assert not outside, f"these refer to documents outside the repository: {outside}"
+MARKDOWN = re.compile(r"(?<![\w/.-])([\w-]+\.md)\b")
+PARENT = re.compile(r"(?<![\w.])\.\./[\w-]")
+DOCUMENTS = {p.name for p in REPO_ROOT.rglob("*.md") if ".venv" not in p.parts}
+
+
+@pytest.mark.parametrize("name", sorted(TEXTS))
+def test_nothing_points_outside_the_repository(name):
+    """Every markdown document named is one of the repository's, and no path climbs out of it."""
+    missing = sorted(set(MARKDOWN.findall(TEXTS[name])) - DOCUMENTS)
+    assert not missing, f"{name} names documents the repository does not have: {missing}"
+    assert not PARENT.search(TEXTS[name]), f"{name} refers to a path above the repository"
