@@ -143,15 +143,6 @@ def test_the_engines_own_functions_pass_the_labs_unit_tests(lab):
     assert results and not bad, f"{lab}: unit tests the engine's own functions fail:\n{describe(bad)}"
 
 
-# Drift between a solution and the engine found by the test below, in notebooks whose owners fix them.
-KNOWN_DRIFT = {
-    "01_kv_cache_math": {  # the solution's max_concurrent_requests does not validate gpu_bytes and block_size
-        "tests/test_memory.py::test_max_concurrent_requests_rejects_bad_input[kwargs3-gpu_bytes]",
-        "tests/test_memory.py::test_max_concurrent_requests_rejects_bad_input[kwargs4-block_size]",
-    },
-}
-
-
 def engine_test_failures(lab: str) -> set[str]:
     results = selftest(lab)["engine_tests"]
     assert results, f"{lab}: no engine unit test ran with the solution plugged in"
@@ -161,17 +152,11 @@ def engine_test_failures(lab: str) -> set[str]:
 @pytest.mark.parametrize("lab", LABS)
 def test_the_solution_passes_the_engines_unit_tests(lab):
     """The solution and the engine agree: the engine's own unit tests of these pieces pass with the
-    solution's functions plugged in (but for the known drift below)."""
-    bad = sorted(engine_test_failures(lab) - KNOWN_DRIFT.get(lab, set()))
+    solution's functions plugged in."""
+    bad = sorted(engine_test_failures(lab))
     messages = {r["name"]: r["message"][-600:] for r in selftest(lab)["engine_tests"]}
     assert not bad, f"{lab}: engine tests failing with the solution plugged in:\n" + "\n".join(
         f"  {name}: {messages[name]}" for name in bad)
-
-
-@pytest.mark.xfail(strict=True, reason="known drift: fix the solution notebook, then remove its KNOWN_DRIFT entry")
-@pytest.mark.parametrize("lab", sorted(KNOWN_DRIFT))
-def test_known_drift_is_fixed(lab):
-    assert not engine_test_failures(lab) & KNOWN_DRIFT[lab]
 
 
 @pytest.mark.parametrize("lab", LABS)
