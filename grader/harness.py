@@ -248,11 +248,15 @@ class EngineRun:
 
 
 def run_engine(waves: Sequence[Wave], *, model: str = "tiny-llama", steps_per_wave: int | None = None,
-               max_steps: int = 2000, **engine_args: Any) -> EngineRun:
+               max_steps: int = 2000, num_sms: int | None = None, **engine_args: Any) -> EngineRun:
     """Runs greedy requests (ignore_eos) through the engine: each wave is added (arrival times 0, 1, 2 ...
     in order), then `steps_per_wave` steps run (None: until every request finished) before the next
-    wave; at the end, every request runs to completion."""
+    wave; at the end, every request runs to completion. `num_sms`: the SM count the model runner
+    believes it has (on CPU it is 0 and flash-decoding never splits; > 0 makes the runner ask the split
+    policy every step, as on a GPU)."""
     engine = make_engine(model, **engine_args)
+    if num_sms is not None:
+        engine.runner.num_sms = num_sms
     tokens: dict[str, list[int]] = {}
     cached: dict[str, int] = {}
     steps, arrival = 0, 0

@@ -66,6 +66,9 @@ _LORA_OPS = ("bgmv_shrink", "bgmv_expand", "sgmv_shrink", "sgmv_expand")
 LAB08 = "08_fp8_kv_cache"
 FP8 = "kernels.fp8"
 KV_SCALES = "engine_core.worker.kv_scales"
+LAB07 = "07_flash_decoding"
+FLASH_DECODING = "kernels.flash_decoding"
+SPLIT_POLICY = "kernels.split_policy"
 
 SEAMS: tuple[Seam, ...] = (
     # engine call sites pass cdiv's two arguments positionally; the exercise names them
@@ -122,6 +125,16 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB06, DECODE_ATTENTION, "paged_attention_decode", "paged_attention_decode",
          helpers=(f"{DECODE_ATTENTION}._decode_kernel", f"{DECODE_ATTENTION}._merge_kernel",
                   f"{KERNELS_REFERENCE}.paged_attention_decode")),
+
+    # the merge is graded on its own: no engine path calls merge_partials (the Triton path merges in
+    # _merge_kernel); the learner's launcher calls their own merge_partials by name
+    Seam(LAB07, FLASH_DECODING, "merge_partials", "merge_partials"),
+    Seam(LAB07, SPLIT_POLICY, "choose_num_splits", "choose_num_splits"),
+    # the decode seam of lab 06, now with num_splits >= 1; the PyTorch split decode holds the answer too
+    Seam(LAB07, DECODE_ATTENTION, "paged_attention_decode", "paged_attention_decode",
+         helpers=(f"{DECODE_ATTENTION}._decode_kernel", f"{DECODE_ATTENTION}._merge_kernel",
+                  f"{KERNELS_REFERENCE}.paged_attention_decode", f"{FLASH_DECODING}.paged_attention_decode_split",
+                  f"{FLASH_DECODING}.attend_range")),
 
     # the delta in PyTorch: the engine's SGMV / BGMV ops (dispatch and reference) hold the answer
     Seam(LAB09, MODELS_LORA, "add_lora", "add_lora",

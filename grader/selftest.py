@@ -52,6 +52,14 @@ ENGINE_TESTS = {
     "06_paged_attention_kernel": tuple(f"tests/kernels/test_kernels_decode.py::test_decode_matches_oracle"
                                        f"[torch.{dtype}-{group}-{block_size}-1]" for dtype in ("float32", "float16")
                                        for group in (1, 2, 4) for block_size in (8, 16)),
+    # the split kernel with 2 and 4 splits (fp32, fp16), many empty splits, empty rows; the merge through the
+    # PyTorch split decode; the policy as the engine applies it (the rest of test_split_policy.py imports its own)
+    "07_flash_decoding": (*(f"tests/kernels/test_kernels_decode.py::test_decode_matches_oracle"
+                            f"[torch.{dtype}-{group}-8-{splits}]" for dtype in ("float32", "float16")
+                            for group in (1, 4) for splits in (2, 4)),
+                          "tests/kernels/test_kernels_decode.py::test_many_splits_on_short_sequences_leave_empty_splits_harmless",
+                          "tests/kernels/test_kernels_decode.py::test_empty_rows_give_zeros_not_nan",
+                          "tests/test_flash_decoding.py", "tests/test_split_policy.py"),
     "08_fp8_kv_cache": ("tests/test_fp8.py",),
     "09_multi_lora": ("tests/test_lora_slots.py", "tests/test_lora_scheduler.py"),
 }

@@ -132,6 +132,9 @@ ENGINE_AS_STUDENT_EXEMPT = {
     # they count launches of the learner's own kernel, `paged_decode_kernel`, which the engine does not have
     "06_paged_attention_kernel": {"test_decode_one_block", "test_decode_block_table_gather", "test_decode_gqa",
                                   "test_decode_lengths_and_block_sizes", "test_decode_fp16_and_strided_query"},
+    # the same: they count launches of `split_decode_kernel` and read what the launcher hands to `merge_partials`
+    "07_flash_decoding": {"test_split_kernel_partials_and_lse", "test_split_kernel_1_to_16_splits",
+                          "test_split_kernel_gqa_fp16_strided", "test_split_kernel_empty_row"},
 }
 
 

@@ -145,7 +145,7 @@ def _config(block_size: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK_N=max(64, block_size), num_warps=4, num_stages=1 if dtype == torch.float32 else 2)
 
 
-# seam: lab 06 (grader/seams.py)
+# seam: labs 06, 07 (grader/seams.py)
 def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
