@@ -17,12 +17,15 @@ grader/seams.py), so moving an engine file is a handful of lines.
   seam runs), so a unit test's set-up never depends on the learner's other functions and works
   in the grading kit, where the lab's seam bodies are removed.
 - `run_engine`: one workload through the real engine (tiny-llama by default), tokens and stats.
+- `lab_settings`: the hypothesis settings of every property-based lab test.
 """
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+from hypothesis import HealthCheck, Phase, settings
 
 from engine_core import memory
 from engine_core.config import EngineConfig, KVCacheConfig, ResolvedConfig
@@ -329,3 +332,13 @@ def check_invariants(sched: Scheduler) -> None:
     assert set(kvm.req_to_blocks) <= {r.request_id for r in sched.running}
     assert all(r.num_computed_tokens < r.num_tokens for r in sched.running), sched.running
     assert len(sched.running) <= sched.max_num_seqs
+
+
+def lab_settings(max_examples: int) -> settings:
+    """Hypothesis settings for a lab test (use with `@seed(N)`, so the reference run and the kit see the
+    same examples): no example database, no deadline (a loaded machine), fixtures per test allowed, and
+    no explain phase, which replays variations of a failing example to annotate the report: 8 s for one
+    failing stub test in lab 09, and a learner's message does not need it (the shrunk example is kept)."""
+    return settings(max_examples=max_examples, deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+                    phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink))

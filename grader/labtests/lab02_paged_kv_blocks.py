@@ -15,10 +15,10 @@ blocks = ceil(tokens / block_size). Every check is an `expect_*` observation.
 import functools
 
 import pytest
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import given, seed
 from hypothesis import strategies as st
 
-from grader.harness import BlockHash, BlockPool, Request, SamplingParams, build_manager, build_pool, run_engine
+from grader.harness import BlockHash, BlockPool, Request, SamplingParams, build_manager, build_pool, lab_settings, run_engine
 from grader.observe import expect_close, expect_equal, expect_raises
 from grader.plug import plug
 
@@ -239,8 +239,7 @@ def test_allocate_slots_takes_no_extra_block_next_to_hits(student):
 
 @pytest.mark.points(2)
 @pytest.mark.task("allocate_slots")
-@settings(max_examples=60, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@lab_settings(60)
 @seed(20240602)  # the same examples in the reference run and in the kit (derandomize would hash the source)
 @given(ops=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 9), st.booleans()), min_size=1, max_size=40))
 def test_allocation_invariants(student, ops):

@@ -19,11 +19,11 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import given, seed
 from hypothesis import strategies as st
 
 from grader.harness import (FakeRunner, LoRAMapping, LoRARequest, LoRASlotPool, LoRAStack, SamplingParams, adapter_path,
-                            make_engine, make_request, make_scheduler, preset_path, reference_output)
+                            lab_settings, make_engine, make_request, make_scheduler, preset_path, reference_output)
 from grader.observe import expect_close, expect_equal, expect_raises
 from grader.plug import plug
 
@@ -231,8 +231,7 @@ def _merged(x, w, stack, slots):
 
 @pytest.mark.points(2)
 @pytest.mark.task("add_lora")
-@settings(max_examples=25, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@lab_settings(25)
 @seed(20240909)  # the same examples in the reference run and in the kit (derandomize would hash the source)
 @given(num_slots=st.integers(1, 4), slices=st.lists(st.integers(1, 5), min_size=1, max_size=3),
        row_slots=st.lists(st.integers(-1, 3), max_size=6),
@@ -437,8 +436,7 @@ def test_assign_no_room_changes_nothing(student):
 
 @pytest.mark.points(2)
 @pytest.mark.task("assign")
-@settings(max_examples=60, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@lab_settings(60)
 @seed(20240910)
 @given(num_slots=st.integers(1, 4),
        steps=st.lists(st.tuples(st.lists(st.integers(1, 6), max_size=4), st.sets(st.integers(1, 6), max_size=3)),
