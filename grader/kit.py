@@ -201,6 +201,8 @@ def _removed_by_file(lab: str, root: Path) -> dict[Path, dict[str, str]]:
                                for h in seam.helpers]]:
             module = module_of(dotted)
             path = root / (module.replace(".", "/") + ".py")
+            if not path.is_file():  # a package: the name lives in its __init__.py
+                path = root / module.replace(".", "/") / "__init__.py"
             found[path][dotted[len(module) + 1:]] = what
     return found
 

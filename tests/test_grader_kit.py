@@ -8,8 +8,9 @@ import textwrap
 import pytest
 
 from grader.delegation import DelegationError
-from grader.kit import comparisons_left, kit_files, kit_tests_source, remove_seam_bodies
+from grader.kit import _find_function, comparisons_left, kit_files, kit_tests_source, remove_seam_bodies
 from grader import labs
+from grader.seams import labs_with_seams, module_of, seams_of
 
 TESTS = textwrap.dedent('''\
     """Tests of a lab: 42 is the answer (the docstring goes)."""
@@ -113,3 +114,24 @@ def test_the_kit_of_a_lab_has_only_its_tests_and_no_seam_body():
     assert "kit_removed(\"lab 02_paged_kv_blocks's seam BlockPool.get_new_blocks\")" in pool
     assert "popitem(last=False)" not in pool and "def touch" in pool
     assert "kit_removed" not in files["engine_core/core/scheduler.py"].decode()
+
+
+@pytest.mark.parametrize("lab", labs_with_seams())
+def test_every_seam_and_helper_of_a_lab_is_only_a_raise_in_its_kit(lab):
+    """In the lab's kit, each seam and each helper declared for it (grader/seams.py) keeps its docstring and
+    nothing but `raise kit_removed(...)`: a submission that calls the engine's own code there reaches no
+    answer, which batch grading reports as delegation (proven end to end by tests/adversarial for lab 00
+    and by tests/test_grader_batch.py). The engine's own copy keeps a real body."""
+    files = kit_files(lab)
+    for seam in seams_of(lab):
+        for dotted in (seam.dotted, *seam.helpers):
+            module = module_of(dotted)
+            path, qualname = module.replace(".", "/") + ".py", dotted[len(module) + 1:]
+            if path not in files:  # a package: its __init__.py
+                path = module.replace(".", "/") + "/__init__.py"
+            kit_fn = _find_function(ast.parse(files[path].decode()), qualname)
+            body = kit_fn.body[1:] if ast.get_docstring(kit_fn) is not None else kit_fn.body
+            assert len(body) == 1 and isinstance(body[0], ast.Raise) and "kit_removed" in ast.unparse(body[0]) \
+                and f"lab {lab}'s seam {seam.qualname}" in ast.unparse(body[0]), f"{dotted} in {lab}'s kit: {ast.unparse(kit_fn)[:300]}"
+            engine_fn = _find_function(ast.parse((labs.REPO_ROOT / path).read_text()), qualname)
+            assert "kit_removed" not in ast.unparse(engine_fn), f"{dotted}: the engine's own body is gone"
