@@ -8,6 +8,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
 ROOT := $(abspath .)
 LAB_DIR ?= labs
+# make test's pytest-xdist workers: one test file per worker at a time (module fixtures run once);
+# 2 fits the 2-core CI machine, more helps on a bigger one (make test TEST_WORKERS=4).
+TEST_WORKERS ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
@@ -43,7 +46,7 @@ grade: venv
 	$(PY) -m pytest -q labs/$(LAB)
 
 test: venv
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q $(PYTEST_ARGS)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The long randomized runs (tens of minutes): 2,000 scheduler examples (hypothesis), 300 random
 # real-model sequences, KeyboardInterrupt at every line every step of a workload runs.

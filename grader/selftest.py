@@ -11,10 +11,12 @@ interpreter start and one engine import per lab, not per variant):
 - "engine_tests": the engine's own unit tests (ENGINE_TESTS) with the solution's functions
   plugged in: the solution and the engine agree;
 - "delegation": results of a notebook whose functions call the engine's captured originals, in
-  self-grading; "batch": `python -m grader batch` results of that notebook and of the solution.
+  self-grading; "batch": `python -m grader batch` results of the solution (sandboxed kit, compared
+  with this process's observations).
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import importlib
@@ -31,7 +33,7 @@ from unittest import mock
 import pytest
 
 from grader import delegation
-from grader.labs import REPO_ROOT, bugs_path, check_lab_name, tests_module_name
+from grader.labs import REPO_ROOT, bugs_path, check_lab_name, tests_module_name, tests_path
 from grader.loader import load_notebook
 from grader.plug import PLUG_LOG, plug
 from grader.runner import QUIET_PLUGINS, run_tests, stderr_to_stdout, test_names
@@ -69,6 +71,24 @@ def planted_bugs(lab: str) -> list:
     if not bugs_path(lab).is_file():
         return []
     return list(importlib.import_module(f"{tests_module_name(lab)}_bugs").BUGS)
+
+
+def tests_for_bug(lab: str, solution: Path, bug) -> list[str]:
+    """The lab's tests, those of the task whose cell the bug edits first (a task's tests carry
+    `@pytest.mark.task(<the cell's grade_id>)`): with --exitfirst the sweep then stops at the first
+    failure without running the other tasks' tests first. The order changes the time, not the verdict."""
+    olds = [old for old, _ in bug.edits]
+    touched = {cell["metadata"]["nbgrader"]["grade_id"] for cell in json.loads(solution.read_text())["cells"]
+               if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
+               and any(old in "".join(cell["source"]) for old in olds)}
+    tasks = {}
+    for node in ast.parse(tests_path(lab).read_text()).body:
+        if isinstance(node, ast.FunctionDef):
+            for d in node.decorator_list:
+                if (isinstance(d, ast.Call) and ast.unparse(d.func) == "pytest.mark.task" and d.args
+                        and isinstance(d.args[0], ast.Constant)):
+                    tasks[node.name] = d.args[0].value
+    return sorted(test_names(lab), key=lambda name: tasks.get(name) not in touched)
 
 
 def end_to_end_tests(lab: str) -> list[str]:
@@ -168,9 +188,10 @@ def selftest(lab: str) -> dict:
     report["bugs"] = {}
     for bug in planted_bugs(lab):
         try:
-            results = run(bug.name, solution, bug.edits, bug_args)
+            order = tests_for_bug(lab, solution, bug)
+            results = run(bug.name, solution, bug.edits, bug_args, tests=order)
             if not any(r["status"] == "failed" and r["max_points"] > 0 for r in results):
-                results = run(bug.name, solution, bug.edits, bug_args[:1])  # the first failure was ungraded
+                results = run(bug.name, solution, bug.edits, bug_args[:1], tests=order)  # the first failure was ungraded
             report["bugs"][bug.name] = results
         except ValueError as exc:  # the edit's `old` text is not in the solution any more
             report["bugs"][bug.name] = str(exc)
@@ -186,7 +207,7 @@ def selftest(lab: str) -> dict:
     report["engine_tests"] = run_engine_tests(lab, load_notebook(solution))
     seconds["engine_tests"] = round(time.perf_counter() - start, 2)
 
-    delegating = scratch / "submitted" / "delegation" / f"{lab}.ipynb"
+    delegating = scratch / "delegation" / f"{lab}.ipynb"
     write_delegation_notebook(lab, delegating)
     report["delegation"] = run("delegation", delegating)
     start = time.perf_counter()
@@ -195,22 +216,23 @@ def selftest(lab: str) -> dict:
     return report
 
 
-def batch_results(lab: str, solution: Path, scratch: Path, solution_results: list[dict]) -> dict:
-    """`grade_all` on the delegation notebook (scratch/submitted/delegation) and, for a lab converted to
-    observations (an unconverted one is all "not verifiable" there), on the solution, against this
-    process's solution run."""
+def batch_results(lab: str, solution: Path, scratch: Path, solution_results: list[dict]) -> list[dict]:
+    """`grade_all` on the solution, for a lab converted to observations (an unconverted one is all "not
+    verifiable" there), against this process's solution run; [] for an unconverted lab. (Delegation in
+    batch grading needs no run per lab: tests/test_grader_kit.py checks that each lab's kit holds no body
+    of its seams and helpers, and tests/adversarial grades a delegating submission.)"""
     from grader.batch import Limits, Reference, grade_all
     from grader.compare import read_log
     from grader.kit import comparisons_left
-    from grader.labs import tests_path
 
+    if comparisons_left(tests_path(lab).read_text()):
+        return []
     root = scratch / "submitted"
-    if not comparisons_left(tests_path(lab).read_text()):
-        (root / "solution").mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(solution, root / "solution" / f"{lab}.ipynb")
+    (root / "solution").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(solution, root / "solution" / f"{lab}.ipynb")
     reference = Reference(read_log(scratch / "reference.jsonl"), {r["name"]: r for r in solution_results})
-    graded = grade_all(root, lab, Limits(600, 8 * 2**30), scratch / "grades", jobs=2, reference=reference)
-    return {g.student: [r.to_dict() for r in g.results] for g in graded}
+    graded = grade_all(root, lab, Limits(600, 8 * 2**30), scratch / "grades", jobs=1, reference=reference)
+    return [r.to_dict() for r in graded[0].results]
 
 
 if __name__ == "__main__":

@@ -1,11 +1,79 @@
-"""Starts the labs' selftests (tests/test_labs_meta.py) as soon as collection is done, when any of
-their tests is selected: they then run beside the rest of the suite instead of after it."""
+"""Starts the labs' selftests (tests/test_labs_meta.py) as soon as collection is done, for the labs
+whose `selftest`-marked tests are selected: they then run beside the rest of the suite instead of after it.
+
+Under pytest-xdist (`make test` runs `-n 2 --dist loadfile --no-loadscope-reorder`: whole files, in
+the order below) every worker collects the same tests;
+the first worker (gw0) runs the selftests and leaves each outcome in a folder named after the run,
+where the worker that got tests/test_labs_meta.py reads it, and gw0 stays until the last one is written.
+The long serial files go first and the meta tests last (`FIRST`).
+"""
 from __future__ import annotations
+
+import shutil
+import tempfile
+from concurrent.futures import Future, wait
+from pathlib import Path
 
 import pytest
 
+META = "tests/test_labs_meta.py"
+# Files whose time is mostly one long serial chain (a JupyterLab and a browser, nbgrader executing
+# notebooks, a sandboxed class): started first, so the other worker fills in around them. The meta
+# tests wait for the selftests, so they come last.
+FIRST = ("tests/test_grader_browser.py", "tests/test_grader_nbgrader.py", "tests/adversarial/test_adversarial_class.py",
+         "tests/test_grader_batch.py", "tests/test_grader_check_notebook.py")
+_running: list[Future] = []
+
+
+def _folder(testrunuid: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"inference-labs-selftests-{testrunuid}"
+
+
+def _shared_dir(config: pytest.Config) -> Path | None:
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return None
+    return _folder(workerinput["testrunuid"])
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return FIRST.index(path) if path in FIRST else len(FIRST) + (path == META)
+    items.sort(key=rank)  # stable: the order within a file and among the rest stays
+
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    meta = next((item for item in session.items if item.nodeid.startswith("tests/test_labs_meta.py")), None)
-    if meta is not None:
-        meta.module.selftests()
+    items = [item for item in session.items if item.nodeid.startswith(META)]
+    if not items:
+        return
+    meta = items[0].module
+    labs = {item.callspec.params["lab"] for item in items if item.get_closest_marker("selftest")}
+    shared = _shared_dir(session.config)
+    if shared is not None:
+        meta.share_results_in(shared)
+        if session.config.workerinput["workerid"] != "gw0":
+            return
+    _running.extend(meta.start_selftests(sorted(labs)))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """gw0 stays until every selftest it started has written its outcome."""
+    if _running:
+        wait(_running)
+
+
+_workers_up: set[str] = set()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    _workers_up.add(node.workerinput["workerid"])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """The controller removes the shared folder once the last worker is gone."""
+    _workers_up.discard(node.workerinput["workerid"])
+    if not _workers_up:
+        shutil.rmtree(_folder(node.workerinput["testrunuid"]), ignore_errors=True)
