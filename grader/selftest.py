@@ -164,13 +164,18 @@ def run_engine_tests(lab: str, solution: ModuleType) -> list[dict]:
 
 
 def selftest(lab: str) -> dict:
+    """Every variant of the lab's tests (see the module's docstring), in a scratch folder removed after."""
     check_lab_name(lab)
+    with tempfile.TemporaryDirectory(prefix=f"selftest-{lab}-") as tmp:
+        return _selftest(lab, Path(tmp))
+
+
+def _selftest(lab: str, scratch: Path) -> dict:
     solution = REPO_ROOT / "solutions" / lab / f"{lab}.ipynb"
     stub = REPO_ROOT / "labs" / lab / f"{lab}.ipynb"
     args = [f"--timeout={PER_TEST_TIMEOUT_S}"]
     bug_args = [f"--timeout={BUG_TEST_TIMEOUT_S}", "--exitfirst"]  # one failing test is enough to catch a bug
     seconds: dict[str, float] = {}
-    scratch = Path(tempfile.mkdtemp(prefix=f"selftest-{lab}-"))
 
     def run(variant: str, path, edits=None, pytest_args=args, tests=None, observe_to=None, module=None) -> list[dict]:
         start = time.perf_counter()
