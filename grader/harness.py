@@ -18,6 +18,8 @@ grader/seams.py), so moving an engine file is a handful of lines.
   in the grading kit, where the lab's seam bodies are removed.
 - `run_engine`: one workload through the real engine (tiny-llama by default), tokens and stats.
 - `lab_settings`: the hypothesis settings of every property-based lab test.
+- `make_paged_batch`, `CountLaunches`, `shape_of`: the kernel labs' paged batches, launch counts and
+  result shapes (labs 06, 07, 09).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import torch
 from hypothesis import HealthCheck, Phase, settings
 
 from engine_core import memory
@@ -51,7 +54,9 @@ __all__ = ["save_kv_amax", "GPUS", "LLM", "BlockHash", "BlockPool", "EngineConfi
            "ScheduledChunk", "Scheduler", "SchedulerOutput", "TINY_SPEC", "held_blocks", "make_engine",
            "make_request", "make_scheduler", "memory", "reference_output", "run_engine", "run_to_completion", "step",
            # multi-LoRA (lab 09)
-           "LoRAMapping", "LoRARequest", "LoRASlotPool", "LoRAStack", "adapter_path", "preset_path"]
+           "LoRAMapping", "LoRARequest", "LoRASlotPool", "LoRAStack", "adapter_path", "preset_path",
+           # property tests; the kernel labs (06, 07, 09)
+           "lab_settings", "CountLaunches", "make_paged_batch", "shape_of"]
 
 # tiny-llama's shape: 2 layers x 2 KV heads x 16 dims, 512 bytes of fp32 KV per token
 TINY_SPEC = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
@@ -342,3 +347,58 @@ def lab_settings(max_examples: int) -> settings:
     return settings(max_examples=max_examples, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
                     phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink))
+
+
+UNUSED_V = 1e4  # V in cache rows no sequence owns (their K is 0, a score of 0): reading one wrecks the output
+
+
+def make_paged_batch(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                     dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
+    """Query and caches for `seq_lens`, as `paged_attention_decode`'s keyword arguments, on the GPU when there is
+    one (the kernel labs' tests run there compiled, and under the Triton interpreter otherwise). Physical blocks are
+    handed out shuffled (reading block `t // block_size` without the table reads another sequence's K/V),
+    rows no sequence owns hold K = 0 and V = UNUSED_V (any weight on one shows), and the table has a spare
+    column padded with 0 as the engine pads it."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key = torch.randn(shape, generator=gen, dtype=torch.float64)
+    value = torch.randn(shape, generator=gen, dtype=torch.float64)
+    owned = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    tables = torch.zeros(len(seq_lens), max(blocks_per_seq + [0]) + 1, dtype=torch.int32)
+    perm = torch.randperm(num_blocks, generator=gen)
+    taken = 0
+    for i, (n, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
+        tables[i, :nb] = perm[taken:taken + nb].to(torch.int32)
+        taken += nb
+        slots = tables[i, :nb].long()[:, None] * block_size + torch.arange(block_size)
+        owned[slots.flatten()[:n]] = True
+    key.view(-1, num_kv_heads, head_dim)[~owned] = 0.0
+    value.view(-1, num_kv_heads, head_dim)[~owned] = UNUSED_V
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen, dtype=torch.float64)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return dict(query=query.to(dtype).to(device), key_cache=key.to(dtype).to(device),
+                value_cache=value.to(dtype).to(device), block_tables=tables.to(device),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device))
+
+
+class CountLaunches:
+    """Stands in for the learner's kernel inside their launcher: counts `kernel[grid](...)` launches."""
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid: Any) -> Any:
+        self.launches += 1
+        return self.kernel[grid]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.kernel, name)
+
+
+def shape_of(out: Any) -> list:
+    """What came back, as plain data: [type name, shape, dtype] for a tensor, else [type name]."""
+    if isinstance(out, torch.Tensor):
+        return ["Tensor", list(out.shape), str(out.dtype).removeprefix("torch.")]
+    return [type(out).__name__]

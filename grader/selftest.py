@@ -16,7 +16,6 @@ interpreter start and one engine import per lab, not per variant):
 """
 from __future__ import annotations
 
-import ast
 import contextlib
 import functools
 import importlib
@@ -73,32 +72,38 @@ def planted_bugs(lab: str) -> list:
     return list(importlib.import_module(f"{tests_module_name(lab)}_bugs").BUGS)
 
 
-def tests_for_bug(lab: str, solution: Path, bug) -> list[str]:
-    """The lab's tests, those of the task whose cell the bug edits first (a task's tests carry
-    `@pytest.mark.task(<the cell's grade_id>)`): with --exitfirst the sweep then stops at the first
-    failure without running the other tasks' tests first. The order changes the time, not the verdict."""
-    olds = [old for old, _ in bug.edits]
-    touched = {cell["metadata"]["nbgrader"]["grade_id"] for cell in json.loads(solution.read_text())["cells"]
-               if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")
-               and any(old in "".join(cell["source"]) for old in olds)}
-    tasks = {}
-    for node in ast.parse(tests_path(lab).read_text()).body:
-        if isinstance(node, ast.FunctionDef):
-            for d in node.decorator_list:
-                if (isinstance(d, ast.Call) and ast.unparse(d.func) == "pytest.mark.task" and d.args
-                        and isinstance(d.args[0], ast.Constant)):
-                    tasks[node.name] = d.args[0].value
-    return sorted(test_names(lab), key=lambda name: tasks.get(name) not in touched)
+@functools.cache
+def graded_cells(solution: Path) -> dict[str, str]:
+    """The solution notebook's source by nbgrader grade_id."""
+    return {cell["metadata"]["nbgrader"]["grade_id"]: "".join(cell["source"])
+            for cell in json.loads(solution.read_text())["cells"]
+            if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id")}
 
 
-def end_to_end_tests(lab: str) -> list[str]:
-    """The lab's tests marked `end_to_end`."""
+def marked_tests(lab: str, mark: str) -> dict[str, tuple]:
+    """The lab's tests carrying `@pytest.mark.<mark>`, with the mark's arguments (the module is imported
+    after pytest ran it once, so its assertions are already rewritten)."""
     from _pytest.mark.structures import get_unpacked_marks
 
     from grader.labs import import_tests
 
     module = import_tests(lab)
-    return [name for name in test_names(lab) if any(m.name == "end_to_end" for m in get_unpacked_marks(getattr(module, name)))]
+    return {name: m.args for name in test_names(lab) for m in get_unpacked_marks(getattr(module, name)) if m.name == mark}
+
+
+def tests_for_bug(lab: str, solution: Path, bug) -> list[str]:
+    """The lab's tests, those of the task whose cell the bug edits first (a task's tests carry
+    `@pytest.mark.task(<the cell's grade_id>)`): with --exitfirst the sweep then stops at the first
+    failure without running the other tasks' tests first. The order changes the time, not the verdict."""
+    touched = {grade_id for grade_id, source in graded_cells(solution).items()
+               if any(old in source for old, _ in bug.edits)}
+    tasks = {name: args[0] for name, args in marked_tests(lab, "task").items()}
+    return sorted(test_names(lab), key=lambda name: tasks.get(name) not in touched)
+
+
+def end_to_end_tests(lab: str) -> list[str]:
+    """The lab's tests marked `end_to_end`."""
+    return list(marked_tests(lab, "end_to_end"))
 
 
 def delegation_source(lab: str) -> str:

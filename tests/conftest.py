@@ -29,13 +29,6 @@ def _folder(testrunuid: str) -> Path:
     return Path(tempfile.gettempdir()) / f"inference-labs-selftests-{testrunuid}"
 
 
-def _shared_dir(config: pytest.Config) -> Path | None:
-    workerinput = getattr(config, "workerinput", None)
-    if workerinput is None:
-        return None
-    return _folder(workerinput["testrunuid"])
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
         path = item.nodeid.split("::", 1)[0]
@@ -49,10 +42,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     meta = items[0].module
     labs = {item.callspec.params["lab"] for item in items if item.get_closest_marker("selftest")}
-    shared = _shared_dir(session.config)
-    if shared is not None:
-        meta.share_results_in(shared)
-        if session.config.workerinput["workerid"] != "gw0":
+    workerinput = getattr(session.config, "workerinput", None)  # set in a pytest-xdist worker
+    if workerinput is not None:
+        meta.share_results_in(_folder(workerinput["testrunuid"]))
+        if workerinput["workerid"] != "gw0":
             return
     _running.extend(meta.start_selftests(sorted(labs)))
 

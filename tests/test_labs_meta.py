@@ -53,17 +53,19 @@ def run_selftest(lab: str, results: Path | None) -> subprocess.CompletedProcess:
 
 
 # The slowest labs first, so the two threads finish together (measured under make test on 2 cores, seconds:
-# 211, 92, 89, 78, 66, 65, 62, 53, 48, 25; lab 09 before its hypothesis tests dropped the explain phase).
-SLOWEST_FIRST = ["09_multi_lora", "03_preemption", "07_flash_decoding", "01_kv_cache_math", "02_paged_kv_blocks",
-                 "06_paged_attention_kernel", "04_chunked_prefill", "08_fp8_kv_cache", "05_prefix_caching", "00_warmup"]
+# 84, 75, 70, 68, 66, 63, 61, 49, 37, 16).
+SLOWEST_FIRST = ["07_flash_decoding", "02_paged_kv_blocks", "06_paged_attention_kernel", "09_multi_lora",
+                 "04_chunked_prefill", "08_fp8_kv_cache", "01_kv_cache_math", "03_preemption", "05_prefix_caching",
+                 "00_warmup"]
 _started: dict[str, Future] = {}
-_results_dir: list[Path] = []  # set under pytest-xdist: where every worker finds the selftests' outcomes
+_results_dir: Path | None = None  # set under pytest-xdist: where every worker finds the selftests' outcomes
 
 
 def share_results_in(path: Path) -> None:
     """Under pytest-xdist (tests/conftest.py): one worker runs the selftests, every worker reads `path`."""
+    global _results_dir
     path.mkdir(parents=True, exist_ok=True)
-    _results_dir[:] = [path]
+    _results_dir = path
 
 
 def _claim(lab: str) -> bool:
@@ -71,10 +73,10 @@ def _claim(lab: str) -> bool:
     create `<lab>.claim` in the shared folder; elsewhere: the first caller in this process)."""
     if lab in _started:
         return False
-    if not _results_dir:
+    if _results_dir is None:
         return True
     try:
-        os.close(os.open(_results_dir[0] / f"{lab}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        os.close(os.open(_results_dir / f"{lab}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         return True
     except FileExistsError:
         return False
@@ -85,11 +87,11 @@ def start_selftests(labs: list[str]) -> list[Future]:
     right after collection, so they overlap the rest of the suite)."""
     pool = ThreadPoolExecutor(max_workers=2)
     order = sorted(labs, key=lambda lab: (SLOWEST_FIRST.index(lab) if lab in SLOWEST_FIRST else -1, lab))
-    results = _results_dir[0] if _results_dir else None
     futures = []
     for lab in order:
         if _claim(lab):
-            futures.append(_started.setdefault(lab, pool.submit(run_selftest, lab, results)))
+            _started[lab] = pool.submit(run_selftest, lab, _results_dir)
+            futures.append(_started[lab])
     pool.shutdown(wait=False)
     return futures
 
@@ -99,7 +101,7 @@ def finished_selftest(lab: str) -> subprocess.CompletedProcess:
     start_selftests([lab])
     if lab in _started:
         return _started[lab].result()
-    path = _results_dir[0] / f"{lab}.json"
+    path = _results_dir / f"{lab}.json"
     deadline = time.monotonic() + 2 * SELFTEST_TIMEOUT_S
     while not path.is_file():
         assert time.monotonic() < deadline, f"no selftest result for {lab} in {path.parent} (the worker running it died?)"

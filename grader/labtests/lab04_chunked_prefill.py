@@ -21,7 +21,7 @@ import random
 import pytest
 
 from grader.harness import (GPUS, FakeRunner, ModelSpec, RequestStatus, ScheduledChunk, SchedulerOutput, held_blocks,
-                            make_request, make_scheduler, memory, reference_output, run_engine, step)
+                            make_request, make_scheduler, memory, reference_output, run_engine, run_to_completion, step)
 from grader.observe import expect_close, expect_equal
 from grader.plug import plug
 
@@ -373,13 +373,8 @@ def test_victim_chunk_dropped_and_its_budget_returned(student):
     expect_equal((chunks_of(out), out.preempted_request_ids), ([("a", 8, 1), ("p", 4, 15)], ["v"]),
                  "budget 16, 9 blocks of 4 all held; running v (priority 2, decode fits), a (priority 0, its decode "
                  "needs a block), p (priority 1, 4 of 24 prompt tokens done): (the chunks, the preempted ids)")
-    outputs = {}
     with plug(student, LAB):
-        for _ in range(60):
-            if not sched.has_unfinished_requests():
-                break
-            out = sched.schedule()
-            outputs.update({r.request_id: list(r.output_token_ids) for r in sched.update_from_output(out, runner.execute(out))})
+        outputs = run_to_completion(sched, runner, max_steps=60)
     expect_equal((outputs, held_blocks(sched.kv_cache_manager)),
                  ({rid: reference_output(prompt, 3) for rid, prompt in VICTIM_PROMPTS.items()}, []),
                  "the same state run to completion: (tokens of v, a, p; blocks still held)")
@@ -427,13 +422,8 @@ def test_swapped_come_back_before_waiting(student):
     expect_equal((chunks_of(out), _ids(sched.swapped), _ids(sched.waiting)), ([("c", 6, 1), ("a", 4, 1)], ["b"], ["w"]),
                  "budget 16, running [c], swapped [a, b], waiting [w(3)], 5 blocks of 4 (c holds 2): (the chunks, "
                  "swapped, waiting); b does not fit, so w may not be admitted although its 1 block would")
-    outputs = {}
     with plug(student, LAB):
-        for _ in range(60):
-            if not sched.has_unfinished_requests():
-                break
-            out = sched.schedule()
-            outputs.update({r.request_id: list(r.output_token_ids) for r in sched.update_from_output(out, runner.execute(out))})
+        outputs = run_to_completion(sched, runner, max_steps=60)
     expect_equal((outputs, held_blocks(sched.kv_cache_manager)),
                  ({"a": reference_output([7, 3, 5, 11], 4), "b": reference_output([9, 3, 5, 11], 4),
                    "c": reference_output([1, 2, 3, 4, 5, 6], 4), "w": reference_output([1, 2, 3], 2)}, []),

@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from grader.harness import run_engine
+from grader.harness import CountLaunches, make_paged_batch, run_engine, shape_of
 from grader.observe import expect_close, expect_equal
 from grader.plug import plug
 
@@ -28,38 +28,9 @@ if not torch.cuda.is_available():
 LAB = "06_paged_attention_kernel"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SCALE = 0.3
-UNUSED = 1e4  # V in cache rows no sequence owns (their K is 0, a score of 0): reading one wrecks the output
 
 
 # ---- paged KV batches and the float64 oracle ---------------------------------------------------
-
-def make_batch(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0):
-    """Query and caches for `seq_lens`. Physical blocks are handed out shuffled (reading block
-    `t // block_size` without the table reads another sequence's K/V), rows no sequence owns hold
-    K = 0 and V = 1e4 (any weight on one shows), and the table has a spare column padded with 0 as
-    the engine pads it."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 2
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key = torch.randn(shape, generator=gen, dtype=torch.float64)
-    value = torch.randn(shape, generator=gen, dtype=torch.float64)
-    owned = torch.zeros(num_blocks * block_size, dtype=torch.bool)
-    tables = torch.zeros(len(seq_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
-    perm = torch.randperm(num_blocks, generator=gen)
-    taken = 0
-    for i, (n, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
-        tables[i, :nb] = perm[taken:taken + nb].to(torch.int32)
-        taken += nb
-        slots = tables[i, :nb].long()[:, None] * block_size + torch.arange(block_size)
-        owned[slots.flatten()[:n]] = True
-    key.view(-1, num_kv_heads, head_dim)[~owned] = 0.0
-    value.view(-1, num_kv_heads, head_dim)[~owned] = UNUSED
-    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen, dtype=torch.float64)
-    return dict(query=query.to(dtype).to(DEVICE), key_cache=key.to(dtype).to(DEVICE),
-                value_cache=value.to(dtype).to(DEVICE), block_tables=tables.to(DEVICE),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE))
-
 
 def oracle(batch, scale=SCALE):
     """float64 decode attention: query head h of sequence i over the first seq_lens[i] tokens of
@@ -92,29 +63,8 @@ def describe(batch):
 
 @functools.cache
 def _expected(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0):
-    """The oracle's output (float64, on the CPU) for the batch `make_batch` builds from these arguments."""
-    return oracle(make_batch(list(seq_lens), num_heads, num_kv_heads, head_dim, block_size, dtype, seed))
-
-
-class CountLaunches:
-    """Stands in for the learner's kernel inside their launcher: counts `kernel[grid](...)` launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
-
-    def __getattr__(self, name):
-        return getattr(self.kernel, name)
-
-
-def _shape_of(out):
-    """What came back, as plain data: (type name, shape, dtype) or the type name alone."""
-    if isinstance(out, torch.Tensor):
-        return ["Tensor", list(out.shape), str(out.dtype).removeprefix("torch.")]
-    return [type(out).__name__]
+    """The oracle's output (float64, on the CPU) for the batch `make_paged_batch` builds from these arguments."""
+    return oracle(make_paged_batch(list(seq_lens), num_heads, num_kv_heads, head_dim, block_size, dtype, seed))
 
 
 def run_decode(student, batch, scale=SCALE):
@@ -133,7 +83,7 @@ def run_decode(student, batch, scale=SCALE):
                  "did paged_attention_decode launch paged_decode_kernel? The task is the Triton kernel, not a "
                  "PyTorch fallback")
     q = batch["query"]
-    expect_equal(_shape_of(out), ["Tensor", list(q.shape), str(q.dtype).removeprefix("torch.")],
+    expect_equal(shape_of(out), ["Tensor", list(q.shape), str(q.dtype).removeprefix("torch.")],
                  f"(type, shape, dtype) paged_attention_decode returned: the query's; on {describe(batch)}")
     return out
 
@@ -149,8 +99,8 @@ def expect_matches_oracle(got, batch, case, atol, what=""):
 
 
 def decode_case(student, *case, atol, what="", query_layout=None):
-    """Builds the batch of `case` (make_batch's arguments), runs the learner's launcher, observes."""
-    batch = make_batch(list(case[0]), *case[1:])
+    """Builds the batch of `case` (make_paged_batch's arguments), runs the learner's launcher, observes."""
+    batch = make_paged_batch(list(case[0]), *case[1:])
     if query_layout is not None:
         batch["query"] = query_layout(batch["query"])
     expect_matches_oracle(run_decode(student, batch), batch, case, atol, what)

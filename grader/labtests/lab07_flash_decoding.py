@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from grader.harness import run_engine
+from grader.harness import CountLaunches, make_paged_batch, run_engine, shape_of
 from grader.observe import expect_close, expect_equal
 from grader.plug import plug
 
@@ -32,7 +32,6 @@ LAB = "07_flash_decoding"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TILE = 16 if DEVICE.type == "cpu" else 64  # the notebook's BLOCK_N: splits are made of whole tiles
 SCALE = 0.3
-UNUSED = 1e4  # V in cache rows no sequence owns (their K is 0): reading one wrecks the output
 NEG = -1e30  # -inf shown as a finite number in observations (so that -inf == -inf compares as close)
 
 
@@ -343,32 +342,6 @@ def test_predicted_flash_decoding_speedup(student):
 
 # ---- task 2: the split kernel --------------------------------------------------------------------
 
-def make_batch(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0):
-    """Query and caches for `seq_lens` (lab 06's batches): physical blocks handed out shuffled, rows no
-    sequence owns hold K = 0 and V = 1e4, a spare table column padded with 0 as the engine pads it."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 2
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key = torch.randn(shape, generator=gen, dtype=torch.float64)
-    value = torch.randn(shape, generator=gen, dtype=torch.float64)
-    owned = torch.zeros(num_blocks * block_size, dtype=torch.bool)
-    tables = torch.zeros(len(seq_lens), max(blocks_per_seq + [0]) + 1, dtype=torch.int32)
-    perm = torch.randperm(num_blocks, generator=gen)
-    taken = 0
-    for i, (n, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
-        tables[i, :nb] = perm[taken:taken + nb].to(torch.int32)
-        taken += nb
-        slots = tables[i, :nb].long()[:, None] * block_size + torch.arange(block_size)
-        owned[slots.flatten()[:n]] = True
-    key.view(-1, num_kv_heads, head_dim)[~owned] = 0.0
-    value.view(-1, num_kv_heads, head_dim)[~owned] = UNUSED
-    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen, dtype=torch.float64)
-    return dict(query=query.to(dtype).to(DEVICE), key_cache=key.to(dtype).to(DEVICE),
-                value_cache=value.to(dtype).to(DEVICE), block_tables=tables.to(DEVICE),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE))
-
-
 def split_bounds(seq_len, num_splits, tile=TILE):
     """The contract's token range [start, end) of each split: whole tiles, ceil(tiles / num_splits) of them
     per split, the last splits short or empty."""
@@ -378,10 +351,10 @@ def split_bounds(seq_len, num_splits, tile=TILE):
 
 @functools.cache
 def _oracle(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0, num_splits=1):
-    """float64, on the CPU, for the batch `make_batch` builds from these arguments: (output [num_seqs, H, D],
+    """float64, on the CPU, for the batch `make_paged_batch` builds from these arguments: (output [num_seqs, H, D],
     partial outputs [num_seqs, H, S, D], lse [num_seqs, H, S] with -inf shown as NEG), each query head h of
     sequence i over KV head h // group, tokens gathered one by one through the block table."""
-    batch = make_batch(list(seq_lens), num_heads, num_kv_heads, head_dim, block_size, dtype, seed)
+    batch = make_paged_batch(list(seq_lens), num_heads, num_kv_heads, head_dim, block_size, dtype, seed)
     q = batch["query"].cpu().double()
     kc, vc = batch["key_cache"].cpu().double(), batch["value_cache"].cpu().double()
     tables = batch["block_tables"].cpu()
@@ -409,26 +382,6 @@ def describe(batch, num_splits):
             f"dtype={str(kc.dtype).removeprefix('torch.')}, block_tables={batch['block_tables'].tolist()}")
 
 
-class CountLaunches:
-    """Stands in for the learner's kernel inside their launcher: counts `kernel[grid](...)` launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
-
-    def __getattr__(self, name):
-        return getattr(self.kernel, name)
-
-
-def _shape_of(out):
-    if isinstance(out, torch.Tensor):
-        return ["Tensor", list(out.shape), str(out.dtype).removeprefix("torch.")]
-    return [type(out).__name__]
-
-
 def run_decode(student, batch, num_splits, partials=None):
     """The learner's launcher on `batch`, its kernel `split_decode_kernel` counted; observes one launch and
     the output's (type, shape, dtype). `partials`: a list that receives the (partials, lse) the launcher
@@ -453,15 +406,15 @@ def run_decode(student, batch, num_splits, partials=None):
     expect_equal(counter.launches, 1, f"launches of split_decode_kernel in one paged_attention_decode call with "
                  f"num_splits={num_splits}: one grid covers every (sequence, KV head, split)")
     q = batch["query"]
-    expect_equal(_shape_of(out), ["Tensor", list(q.shape), str(q.dtype).removeprefix("torch.")],
+    expect_equal(shape_of(out), ["Tensor", list(q.shape), str(q.dtype).removeprefix("torch.")],
                  f"(type, shape, dtype) paged_attention_decode returned: the query's; on {describe(batch, num_splits)}")
     return out
 
 
 def decode_case(student, case, num_splits, atol, what="", query_layout=None):
-    """Builds the batch of `case` (make_batch's arguments), runs the learner's launcher, observes each
+    """Builds the batch of `case` (make_paged_batch's arguments), runs the learner's launcher, observes each
     sequence's output against the float64 oracle."""
-    batch = make_batch(list(case[0]), *case[1:])
+    batch = make_paged_batch(list(case[0]), *case[1:])
     if query_layout is not None:
         batch["query"] = query_layout(batch["query"])
     got = run_decode(student, batch, num_splits)
@@ -484,7 +437,7 @@ def test_split_kernel_partials_and_lse(student):
     [num_seqs, H, S] in fp32, split s owning whole tiles of BLOCK_N tokens (an empty split: zeros and -inf).
     Tiles of 16 tokens under the interpreter: a 40-token context in 2 splits is tokens 0-31 and 32-39."""
     case = ((40, 5, 16), 2, 1, 16, 8, torch.float32, 3, 2)
-    batch = make_batch(*([list(case[0])] + list(case[1:7])))
+    batch = make_paged_batch(*([list(case[0])] + list(case[1:7])))
     seen = []
     run_decode(student, batch, 2, partials=seen)
     expect_equal(len(seen), 1, "calls of merge_partials in one paged_attention_decode call")

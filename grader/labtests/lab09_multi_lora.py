@@ -22,8 +22,8 @@ import torch
 from hypothesis import given, seed
 from hypothesis import strategies as st
 
-from grader.harness import (FakeRunner, LoRAMapping, LoRARequest, LoRASlotPool, LoRAStack, SamplingParams, adapter_path,
-                            lab_settings, make_engine, make_request, make_scheduler, preset_path, reference_output)
+from grader.harness import (CountLaunches, FakeRunner, LoRAMapping, LoRARequest, LoRASlotPool, LoRAStack, SamplingParams,
+                            adapter_path, lab_settings, make_engine, make_request, make_scheduler, preset_path, reference_output)
 from grader.observe import expect_close, expect_equal, expect_raises
 from grader.plug import plug
 
@@ -250,20 +250,6 @@ def test_add_lora_mixed_batches(student, num_slots, slices, row_slots, segments,
 
 
 # ---- task 3: the decode rows' shrink in Triton (BGMV) ---------------------------------------------
-
-class CountLaunches:
-    """Stands in for the learner's kernel inside their launcher: counts `kernel[grid](...)` launches."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
-
-    def __getattr__(self, name):
-        return getattr(self.kernel, name)
-
 
 def _run_bgmv_shrink(student, x, lora_a, row_slots):
     """The learner's launcher, counting launches of their `bgmv_shrink_kernel`; (output, launches). No
