@@ -1,5 +1,6 @@
-"""docs/architecture.md stays true to the code: every engine module is on its map, and the import
-graph of engine_core, kernels and grader has no cycle (imports inside functions and under
+"""docs/architecture.md stays true to the code: every engine, benchmark and example module is on its map,
+the import graph of engine_core, kernels, grader, benchmarks and examples has no cycle, and nothing below
+the tools imports them (imports inside functions and under
 TYPE_CHECKING count too: a cycle hidden there is still a cycle in the design)."""
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("engine_core", "kernels", "grader")
+PACKAGES = ("engine_core", "kernels", "grader", "benchmarks", "examples")
+TOOLS = ("benchmarks", "examples")  # measurement and demo programs: above everything, imported by nothing
 
 
 def module_name(path: Path) -> str:
@@ -78,10 +80,19 @@ def test_the_cycle_finder_finds_one():
 
 def test_every_engine_module_is_on_the_architecture_map():
     doc = (ROOT / "docs" / "architecture.md").read_text()
-    missing = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "engine_core").rglob("*.py"))
+    missing = [str(p.relative_to(ROOT)) for pkg in ("engine_core", *TOOLS) for p in sorted((ROOT / pkg).rglob("*.py"))
                if p.name != "__init__.py" and f"`{p.relative_to(ROOT)}`" not in doc
-               and f"`{p.relative_to(ROOT / 'engine_core')}`" not in doc and f"`{p.name}`" not in doc]
+               and f"`{p.relative_to(ROOT / pkg)}`" not in doc and f"`{p.name}`" not in doc]
     assert not missing, f"docs/architecture.md does not list {missing}"
+
+
+def test_the_engine_kernels_and_grader_never_import_the_tools():
+    """benchmarks/ and examples/ stay out of the engine's import graph (and so out of the grading kit)."""
+    mods = modules()
+    known = set(mods)
+    back = sorted(f"{name} -> {t}" for name, path in mods.items() if not name.startswith(TOOLS)
+                  for t in imports_of(name, path, known) if t.startswith(TOOLS))
+    assert not back, f"imports of benchmarks/examples from below them: {back}"
 
 
 def test_subpackage_inits_import_nothing():
