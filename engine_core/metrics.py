@@ -1,10 +1,17 @@
 """The engine's numbers in one type, `Stats`, named as vLLM's Prometheus metrics.
 
-Each field is documented where it is declared (its metadata carries the doc and, when vLLM has
-the metric, the Prometheus name). Everything else is derived from it: `Stats.as_dict()` is what
-`LLMEngine.stats()` / `Scheduler.stats()` return, `Stats.to_prometheus()` the text exposition
-(histograms included), and `StepInfo.between(before, after)` what one step did. So "decode
-token" and every other count has exactly one definition: where the scheduler bumps it.
+Each field is documented where it is declared (its metadata carries the doc and, when vLLM v1 has
+the metric, the Prometheus name: a field carries a name only if it counts what vLLM's metric counts,
+as `vllm/v1/metrics/loggers.py` and `stats.py` of vLLM 0.32 record it). Everything else is derived
+from it: `Stats.as_dict()` is what `LLMEngine.stats()` / `Scheduler.stats()` return,
+`Stats.to_prometheus()` the text exposition (histograms included), and `StepInfo.between(before,
+after)` what one step did. So "decode token" and every other count has exactly one definition:
+where the scheduler bumps it.
+
+Renamed in vLLM and exported here under the new name only: `vllm:gpu_cache_usage_perc` (deprecated in
+0.9, gone by 0.32) is `vllm:kv_cache_usage_perc`; `vllm:time_per_output_token_seconds`, which despite
+its name recorded every gap between two tokens, is `vllm:inter_token_latency_seconds` since 0.11, and
+the per-request mean is `vllm:request_time_per_output_token_seconds`.
 """
 from __future__ import annotations
 
@@ -14,9 +21,10 @@ from typing import Any
 
 from engine_core.request import Request
 
-# vLLM's buckets (seconds) for time to first token and time per output token.
+# vLLM's buckets (seconds), cut at 10 s and 2.5 s: time to first token, and inter-token latency (which
+# vLLM also uses for the per-request time per output token).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 
 
 def _stat(doc: str, prometheus: str | None = None, kind: str = "counter", default: Any = 0) -> Any:
@@ -56,9 +64,9 @@ class Stats:
     num_requests_swapped: int = _stat("requests whose KV sits in the CPU swap pool (vLLM v0's metric)",
                                       "vllm:num_requests_swapped", "gauge")
     kv_cache_usage: float = _stat("fraction of GPU KV blocks in use, 0..1 (free cached blocks count as free)",
-                                  "vllm:gpu_cache_usage_perc", "gauge", 0.0)
-    cpu_kv_cache_usage: float = _stat("fraction of CPU swap blocks in use, 0..1", "vllm:cpu_cache_usage_perc",
-                                      "gauge", 0.0)
+                                  "vllm:kv_cache_usage_perc", "gauge", 0.0)
+    cpu_kv_cache_usage: float = _stat("fraction of CPU swap blocks in use, 0..1 (vLLM v0's metric)",
+                                      "vllm:cpu_cache_usage_perc", "gauge", 0.0)
     num_preemptions_recompute: int = _stat("preemptions that freed the KV (recomputed later)")
     num_preemptions_swap: int = _stat("preemptions that copied the KV to the CPU pool")
     num_blocks_swapped_out: int = _stat("GPU->CPU block copies planned")
@@ -66,22 +74,30 @@ class Stats:
     prefix_cache_queries: int = _stat("tokens of admitted requests looked up in the prefix cache",
                                       "vllm:prefix_cache_queries_total")
     prefix_cache_hits: int = _stat("of those, tokens served from the cache", "vllm:prefix_cache_hits_total")
-    num_prefill_tokens: int = _stat("tokens computed that were not a decode token (prompts, recomputed tokens)",
-                                    "vllm:prompt_tokens_total")
+    num_prompt_tokens: int = _stat("prompt tokens of the requests that got their first token, each prompt counted "
+                                   "once, prefix-cached tokens included", "vllm:prompt_tokens_total")
+    num_prefill_tokens: int = _stat("tokens computed that were not a decode token (prompts less their cached "
+                                    "tokens, recomputed tokens)")
     num_decode_tokens: int = _stat("decode tokens computed: the single token of a one-token chunk of a request "
-                                   "that already has output", "vllm:generation_tokens_total")
+                                   "that already has output")
     num_finished_requests: int = _stat("requests that finished or were aborted")
     num_failed_requests: int = _stat("of those, requests finished with an error (finish_reason 'error')")
     num_failed_steps: int = _stat("steps that raised and were rolled back (their requests recomputed)")
     num_steps: int = _stat("engine steps run")
-    num_generated_tokens: int = _stat("tokens sampled and appended to a request's output")
+    num_generated_tokens: int = _stat("tokens sampled and appended to a request's output, each request's first "
+                                      "included", "vllm:generation_tokens_total")
     step_time_s: float = _stat("wall seconds spent in engine steps", default=0.0)
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS),
                             metadata={"doc": "time to first token, seconds", "kind": "histogram",
                                       "prometheus": "vllm:time_to_first_token_seconds"})
-    tpot: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS),
-                            metadata={"doc": "mean time per output token after the first, seconds, per request",
-                                      "kind": "histogram", "prometheus": "vllm:time_per_output_token_seconds"})
+    itl: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS),
+                           metadata={"doc": "inter-token latency: every gap between two consecutive tokens of a "
+                                            "request, seconds", "kind": "histogram",
+                                     "prometheus": "vllm:inter_token_latency_seconds"})
+    tpot: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS),
+                            metadata={"doc": "time per output token, one per finished request with 2 or more tokens: "
+                                             "(last token - first token) / (n - 1), seconds", "kind": "histogram",
+                                      "prometheus": "vllm:request_time_per_output_token_seconds"})
 
     @property
     def num_preemptions(self) -> int:
@@ -95,8 +111,19 @@ class Stats:
     def generation_tokens_per_s(self) -> float:
         return self.num_generated_tokens / self.step_time_s if self.step_time_s else 0.0
 
+    def observe_token(self, request: Request, now: float) -> None:
+        """Count a token sampled for `request` at `now`, before it is appended: its first token counts the
+        prompt (once, as vLLM does when a request leaves prefill), every later one records its gap."""
+        self.num_generated_tokens += 1
+        last = request.metrics.last_token_time
+        if last is None:
+            self.num_prompt_tokens += len(request.prompt_token_ids)
+        else:
+            self.itl.observe(now - last)
+
     def observe_finished(self, request: Request) -> None:
-        """Count a finished request and record its TTFT and mean TPOT (when it has them)."""
+        """Count a finished request and record its TTFT and TPOT (when it has them: vLLM records a TPOT of 0
+        for a request of one token, which would drag the mean down; here it records none)."""
         self.num_finished_requests += 1
         ttft = request.metrics.ttft
         if ttft is not None:
@@ -107,7 +134,7 @@ class Stats:
 
     def snapshot(self, **gauges: float) -> "Stats":
         """A copy with the gauges set: later bumps of this object do not change it."""
-        return replace(self, ttft=self.ttft.copy(), tpot=self.tpot.copy(), **gauges)
+        return replace(self, ttft=self.ttft.copy(), itl=self.itl.copy(), tpot=self.tpot.copy(), **gauges)
 
     def as_dict(self) -> dict[str, float]:
         """Every scalar field, plus the derived num_preemptions, prefix_cache_hit_rate, generation_tokens_per_s."""

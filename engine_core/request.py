@@ -86,7 +86,7 @@ class RequestMetrics:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
     def mean_tpot(self, num_output_tokens: int) -> float | None:
-        """Mean time per output token after the first (inter-token latency)."""
+        """The request's TPOT: (last token - first token) / (n - 1), the mean of its inter-token gaps."""
         if num_output_tokens < 2 or self.first_token_time is None or self.last_token_time is None:
             return None
         return (self.last_token_time - self.first_token_time) / (num_output_tokens - 1)

@@ -179,9 +179,11 @@ def test_prometheus_text_has_vllm_names_and_latency_histograms():
     llm = LLM("tiny-llama", device="cpu")
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), use_tqdm=False)
     text = llm.engine.prometheus_metrics()
-    assert "vllm:generation_tokens_total 2.0" in text and "vllm:prompt_tokens_total 3.0" in text
+    # vLLM's counts: 3 tokens generated, the first included; the 3-token prompt once; 2 gaps, 1 request TPOT
+    assert "vllm:generation_tokens_total 3.0" in text and "vllm:prompt_tokens_total 3.0" in text
     assert 'vllm:time_to_first_token_seconds_bucket{le="+Inf"} 1' in text
-    assert "vllm:time_per_output_token_seconds_count 1" in text
+    assert "vllm:inter_token_latency_seconds_count 2" in text
+    assert "vllm:request_time_per_output_token_seconds_count 1" in text
 
 
 def test_step_info_and_stats_count_decode_tokens_the_same_way():

@@ -50,6 +50,16 @@ def test_saturates_at_the_format_max_never_nan_or_inf(fmt):
         assert torch.tensor([1e6]).to(fmt).float().isinf().all()
 
 
+def test_torchs_own_e4m3_cast_saturates_as_lab_08_says():
+    """Lab 08 section 1 states what the pinned torch's plain cast does past 448 (older torch gave NaN
+    above 464): if a torch upgrade changes it, this fails and the text must change with it."""
+    assert torch.__version__.startswith("2.13")
+    x = torch.tensor([448.0, 464.0, 470.0, 480.0, 1e6, float("inf"), float("-inf"), float("nan")])
+    got = x.to(torch.float8_e4m3fn)
+    assert got.float()[:7].tolist() == [448.0] * 6 + [-448.0] and got.float()[7].isnan()
+    assert got.view(torch.uint8).tolist() == [0x7E] * 6 + [0xFE, 0x7F]  # 0x7F, the NaN code, only for NaN
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_scale_from_amax_uses_the_whole_range(fmt):
     amax = torch.tensor([896.0, 0.0, 3.5])

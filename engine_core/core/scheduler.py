@@ -312,8 +312,8 @@ class Scheduler:
             self.counters.num_prefill_tokens += chunk.num_tokens - decode
             if not emits:
                 continue
+            self.counters.observe_token(request, now)  # before the append: it reads the previous token's time
             request.append_token(sampled_token_ids[request.request_id], now)
-            self.counters.num_generated_tokens += 1
             got_token.append(request)
             status = request.check_stop(self.max_model_len)
             if status is not None:

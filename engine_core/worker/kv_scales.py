@@ -2,10 +2,13 @@
 
 A scale maps the range of the values a cache will hold onto the format's (`kernels.fp8`), so every
 source is a record of that range, the largest |K| and |V| per layer and KV head (`KVAmax`), turned
-into scales for the cache's format. In vLLM's order of precedence:
+into scales for the cache's format. In this order of precedence:
 
 1. `calculate_kv_scales=True`, dynamic: the first real batch's K/V set the scales, which then stay
-   fixed (`DynamicScales`). Cheap, but a later token larger than anything in that batch saturates.
+   fixed (`DynamicScales`). Cheap, but a later token larger than anything in that batch saturates:
+   the batch's max maps onto the format's max, no headroom (vLLM's releases with this flag divided
+   max |K| by 200 and max |V| by 100 instead; vLLM 0.32 has no runtime calculation,
+   docs/fp8_kv_cache.md compares them).
 2. `kv_cache_scales=path`: a calibration file written by `python -m engine_core.calibrate`
    (`save_kv_amax` / `load_kv_amax`): the maxima over a prompt set, recorded with a model-dtype cache.
 3. The checkpoint's `model.layers.N.self_attn.k_scale` / `v_scale` tensors, the names vLLM reads
