@@ -122,8 +122,8 @@ class AsyncLLM:
     (tokenizer, config); everything that reads or changes state goes through `run_in_engine`."""
 
     def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256, idle_poll_s: float = 1.0) -> None:
-        self.max_waiting_requests = check_int("max_waiting_requests", max_waiting_requests, 0,
-                                              hint="0 = refuse any request that cannot run at once")
+        self.max_waiting_requests = check_int("max_waiting_requests", max_waiting_requests, 1,
+                                              hint="a new request waits until the next step, so at least 1")
         self.engine = engine
         self._idle_poll_s = idle_poll_s
         self._inbox: collections.deque[_Add | _Abort | _Call] = collections.deque()

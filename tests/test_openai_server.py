@@ -267,6 +267,21 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(server):
     assert generated < 1000, f"{generated} tokens: the engine request ran on after the client left"
 
 
+def test_a_client_that_leaves_a_plain_request_frees_its_blocks(server):
+    before = server.metrics()["vllm:generation_tokens_total"]
+    with pytest.raises(httpx2.TimeoutException):  # the client gives up and closes the connection
+        httpx2.post(f"{server.url}/v1/completions", timeout=httpx2.Timeout(10.0, read=1.5),
+                    json=dict(model="m", prompt=PROMPTS[5], max_tokens=1500, temperature=0.0, ignore_eos=True))
+    generated = server.wait_idle()["vllm:generation_tokens_total"] - before
+    assert 0 < generated < 1000, f"{generated} tokens: the engine request ran on after the client left"
+
+
+def test_priority_is_accepted(server, offline):
+    resp = server.client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=5,
+                                            temperature=0.0, extra_body={"ignore_eos": True, "priority": -3})
+    assert resp.choices[0].text == offline(PROMPTS[0], 5)[0]
+
+
 def test_metrics_parse_and_count_what_was_served(server):
     server.client.completions.create(model="m", prompt="abc", max_tokens=3, **GREEDY)
     m = server.metrics()

@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     llm = AsyncLLM.from_kwargs(args.model, max_waiting_requests=args.max_waiting_requests, **engine_args)
     app = build_app(llm, args.served_model_name or args.model, template)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        # streams still open at Ctrl-C get 5 s, then go (their requests are aborted below)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:
         llm.shutdown(timeout=5.0, abort=True)
 
