@@ -7,6 +7,7 @@ serving; a client that leaves mid-stream must leave no request running and no KV
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
@@ -22,6 +23,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.serve import run, summarize, synthetic_workload
 from engine_core import LLM, SamplingParams
 from engine_core.presets import preset_path
 
@@ -289,6 +291,18 @@ def test_metrics_parse_and_count_what_was_served(server):
                  "vllm:e2e_request_latency_seconds_count", "vllm:inter_token_latency_seconds_count"):
         assert name in m, name
     assert m["vllm:e2e_request_latency_seconds_count"] >= 1 and m["vllm:time_to_first_token_seconds_count"] >= 1
+
+
+def test_the_load_generator_against_the_server(server):
+    """benchmarks.serve end to end: every request succeeds with the asked output length, timings ordered."""
+    prompts, output_lens = synthetic_workload(6, (4, 24), (2, 12), vocab=256, seed=0)
+    results, duration = asyncio.run(run(server.url, "m", prompts, output_lens, request_rate=20.0,
+                                    max_concurrency=3))
+    assert all(r.success for r in results), [r.error for r in results]
+    assert [r.output_len for r in results] == output_lens
+    assert all(0 < r.ttft <= r.e2e <= duration for r in results)
+    assert summarize(results, duration)["completed"] == 6
+    server.wait_idle()
 
 
 def test_a_model_without_a_template_and_a_full_queue():

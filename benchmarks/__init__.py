@@ -1,0 +1,1 @@
+"""Benchmarks run against a live server or engine (python -m benchmarks.NAME)."""
