@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from engine_core.async_llm import AsyncLLM
+    from engine_core.entrypoints.async_llm import AsyncLLM
     from engine_core.entrypoints.openai.api_server import build_app
 
     template = Path(args.chat_template).read_text() if args.chat_template else None

@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 
-from engine_core.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from engine_core.entrypoints.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from engine_core.engine import LLMEngine
 from engine_core.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice, ChatCompletionStreamChoice,

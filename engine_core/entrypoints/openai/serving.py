@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from engine_core.async_llm import AsyncLLM
+from engine_core.entrypoints.async_llm import AsyncLLM
 from engine_core.request import SamplingParams
 from engine_core.entrypoints.openai.protocol import SamplingRequest
 from engine_core.validation import SEED_RANGE
