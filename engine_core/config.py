@@ -1,6 +1,8 @@
 """Engine configuration: what the user asked for (`EngineConfig`, vLLM's parameter names, validated
 before anything is built), what the engine resolved it to (`ResolvedConfig`: device, dtypes,
-backend, max_model_len, decided once), and the KV cache the model runner sized (`KVCacheConfig`)."""
+max_model_len, the token budget, decided once), and the KV cache the model runner sized
+(`KVCacheConfig`). A leaf of the engine: it knows the checkpoint only by the numbers it is given, and
+names kernels only by the names users pass (the model runner resolves the backend)."""
 from __future__ import annotations
 
 import os
@@ -10,8 +12,6 @@ from typing import Any
 
 import torch
 
-import kernels
-from engine_core.models.config import LlamaArgs, ModelConfig
 from engine_core.validation import SEED_RANGE, check_bool, check_choice, check_int, check_real, fail
 from kernels.fp8 import KV_CACHE_DTYPES, fp8_dtype
 
@@ -161,22 +161,22 @@ class ResolvedConfig:
     device: torch.device
     dtype: torch.dtype  # weights and activations
     kv_cache_dtype: torch.dtype  # KV storage: the model dtype, float8_e4m3fn or float8_e5m2
-    attention_backend: str  # "torch" or "triton"
     max_model_len: int
     max_num_batched_tokens: int  # without chunked prefill, raised to max_model_len (any prompt must fit one step)
 
     @classmethod
-    def resolve(cls, config: EngineConfig, model: ModelConfig) -> "ResolvedConfig":
-        """Raises ValueError naming the parameter when the machine or the checkpoint cannot honour it."""
+    def resolve(cls, config: EngineConfig, max_position_embeddings: int,
+                checkpoint_dtype: torch.dtype | None) -> "ResolvedConfig":
+        """Against the checkpoint's context limit and stored dtype (models.config.ModelConfig has both).
+        Raises ValueError naming the parameter when the machine or the checkpoint cannot honour it."""
         device = config.torch_device
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device must be 'cpu' or 'auto' on a machine without CUDA, got {config.device!r}")
         if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
             raise ValueError(f"device must name one of the {torch.cuda.device_count()} CUDA device(s), "
                              f"got {config.device!r}")
-        max_model_len = _resolve_max_model_len(config.max_model_len, model.args)
-        model.args.check_max_model_len(max_model_len)
-        return cls._of(config, device, config.torch_dtype(model.checkpoint_dtype), max_model_len)
+        max_model_len = _resolve_max_model_len(config.max_model_len, max_position_embeddings)
+        return cls._of(config, device, config.torch_dtype(checkpoint_dtype), max_model_len)
 
     @classmethod
     def model_free(cls, config: EngineConfig) -> "ResolvedConfig":
@@ -192,13 +192,11 @@ class ResolvedConfig:
         budget = config.max_num_batched_tokens
         return cls(engine=config, device=device, dtype=dtype,
                    kv_cache_dtype=fp8_dtype(config.kv_cache_dtype) or dtype,
-                   attention_backend=kernels.resolve_backend(config.attention_backend, device),
                    max_model_len=max_model_len,
                    max_num_batched_tokens=budget if config.enable_chunked_prefill else max(budget, max_model_len))
 
 
-def _resolve_max_model_len(requested: int | None, args: LlamaArgs) -> int:
-    limit = args.max_position_embeddings
+def _resolve_max_model_len(requested: int | None, limit: int) -> int:
     if requested is None:
         return limit
     if requested > limit:

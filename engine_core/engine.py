@@ -1,5 +1,11 @@
 """LLMEngine: requests in, one scheduler step + one forward per `step()`, RequestOutputs out.
 
+A step is three calls, as in vLLM v1's `EngineCore.step`: `Scheduler.schedule()` -> the step's
+`SchedulerOutput`, `ModelRunner.execute_model(scheduler_output)` -> `ModelRunnerOutput`,
+`Scheduler.update_from_output(scheduler_output, model_runner_output)`. The runner learns about
+requests from that one message only (new, resumed, preempted, finished and aborted ones), except
+after a failed step, when it forgets them all (`_recover`).
+
 Built in this order: parse the model folder once (`ModelConfig`), resolve every `auto` of the
 EngineConfig once (`ResolvedConfig`), let the model runner load the weights and size the KV cache
 (`KVCacheConfig`), allocate it, then build the Scheduler with its preemption cost model. Every
@@ -35,7 +41,9 @@ from engine_core.worker.model_runner import ModelRunner
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.model_config = ModelConfig.load(config.model)
-        self.config = ResolvedConfig.resolve(config, self.model_config)
+        args = self.model_config.args
+        self.config = ResolvedConfig.resolve(config, args.max_position_embeddings, self.model_config.checkpoint_dtype)
+        args.check_max_model_len(self.config.max_model_len)
         self.runner = ModelRunner(self.config, self.model_config)
         self.kv_cache_config: KVCacheConfig = self.runner.determine_kv_cache_config()
         self.runner.initialize_kv_cache(self.kv_cache_config)
@@ -76,7 +84,9 @@ class LLMEngine:
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             fail("sampling_params", "a SamplingParams or None", sampling_params)
         params = dataclasses.replace(sampling_params or SamplingParams())  # re-runs every check
-        priority = check_int("priority", priority, hint="lower = served first")
+        # kept on the request and used to pick preemption victims (the largest value goes first);
+        # admission is first-come first-served
+        priority = check_int("priority", priority, hint="lower = preempted last; admission is FCFS")
         arrival_time = check_real("arrival_time", arrival_time, optional=True)
         text, token_ids = self._tokenize(prompt)
         limit = self.config.max_model_len
@@ -148,8 +158,8 @@ class LLMEngine:
 
     def _abort(self, request_id: str) -> None:
         if request_id in self.requests:  # forgotten last, so a half-done abort is finished by a later step
+            # the next SchedulerOutput tells the runner (finished_req_ids)
             self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
-            self.runner.remove_requests([request_id])
             self.num_aborted += 1
             del self.requests[request_id]
 
@@ -183,32 +193,21 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         before = self.scheduler.make_stats()
-        scheduled = self.scheduler.schedule()
-        result = self.runner.execute_model(scheduled)
-        failed = [self._fail(rid, why) for rid, why in result.failed.items()]
-        got = self.scheduler.update_from_output(scheduled, result.sampled)
-        reported = failed + got
+        scheduler_output = self.scheduler.schedule()
+        model_runner_output = self.runner.execute_model(scheduler_output)
+        reported = self.scheduler.update_from_output(scheduler_output, model_runner_output)
         if self._report_stragglers:  # finished by a failed step, not yet reported
             self._report_stragglers = False
             reported = [r for r, _ in self.requests.values() if r.is_finished and r not in reported] + reported
         outputs = [self.make_output(r, self.requests.get(r.request_id, (r, None))[1]) for r in reported]
         finished = [r.request_id for r in reported if r.is_finished]
-        self.runner.remove_requests(finished)
         counters = self.scheduler.counters
         counters.num_steps += 1
         counters.step_time_s += time.perf_counter() - t0
-        self.last_step = StepInfo.between(before, self.scheduler.make_stats(), len(scheduled.scheduled))
+        self.last_step = StepInfo.between(before, self.scheduler.make_stats(), len(scheduler_output.scheduled))
         for rid in finished:  # last: a request leaves self.requests when its final output is returned
             self.requests.pop(rid, None)
         return outputs
-
-    def _fail(self, request_id: str, why: str) -> Request:
-        """Finish a request whose step failed (before update_from_output, which then skips it)."""
-        request = self.scheduler.requests[request_id]
-        request.error = why
-        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
-        self.scheduler.counters.num_failed_requests += 1
-        return request
 
     def _recover(self) -> None:
         """After a step raised part-way: every unfinished request requeued to be recomputed, holding no

@@ -84,8 +84,6 @@ class ModelSpec:
 
 
 # seam: lab 01 (grader/seams.py)
-
-
 def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype | str) -> int:
     """K and V, every layer, every KV head: 2 * layers * kv_heads * head_dim * bytes."""
     s = ModelSpec.of(config)
@@ -122,16 +120,12 @@ def num_params(config: Any, active_only: bool = False) -> int:
 
 
 # seam: lab 01 (grader/seams.py)
-
-
 def weight_bytes(config: Any, dtype: torch.dtype | str) -> int:
     """Bytes of all weights (every expert of an MoE model sits in memory)."""
     return num_params(config) * dtype_bytes(dtype)
 
 
 # seam: lab 01 (grader/seams.py)
-
-
 def activation_bytes(config: Any, dtype: torch.dtype | str, num_tokens: int) -> int:
     """Peak activation bytes of one forward pass over `num_tokens` tokens (vLLM profiles this peak
     with a dummy batch of `max_num_batched_tokens`): the largest set of tensors one layer holds at
@@ -145,8 +139,6 @@ def activation_bytes(config: Any, dtype: torch.dtype | str, num_tokens: int) -> 
 
 
 # seam: lab 01 (grader/seams.py)
-
-
 def max_concurrent_requests(gpu_bytes: float, utilization: float, config: Any, context_len: int,
                             dtype: torch.dtype | str, block_size: int = 1, max_num_batched_tokens: int = 0,
                             non_torch_bytes: float = 0) -> int:
@@ -243,8 +235,6 @@ def kv_heads_per_gpu(config: Any, tp: int) -> int:
 
 
 # seam: lab 01 (grader/seams.py)
-
-
 def allreduce_seconds(config: Any, dtype: torch.dtype | str, num_tokens: int, gpu: GPUSpec, tp: int) -> float:
     """Time of one forward's all-reduces at TP degree `tp`, alpha-beta model: two per layer (after
     the attention output and the MLP down projection), each costing the link's fixed latency
@@ -260,8 +250,6 @@ def allreduce_seconds(config: Any, dtype: torch.dtype | str, num_tokens: int, gp
 
 
 # seam: lab 01 (grader/seams.py)
-
-
 def decode_step_lower_bound(config: Any, dtype: torch.dtype | str, batch_size: int, context_len: int,
                             gpu: GPUSpec, tp: int = 1) -> float:
     """Seconds for one decode step of `batch_size` requests, each attending `context_len` keys,
@@ -277,8 +265,6 @@ def decode_step_lower_bound(config: Any, dtype: torch.dtype | str, batch_size: i
 
 
 # seam: lab 01 (grader/seams.py)
-
-
 def prefill_lower_bound(config: Any, dtype: torch.dtype | str, num_tokens: int, gpu: GPUSpec, tp: int = 1) -> float:
     """Seconds to prefill one prompt of `num_tokens` on `tp` GPUs: the larger of moving the
     shard's weights + writing the prompt's KV over HBM and its FLOPs over peak compute, plus
@@ -367,8 +353,6 @@ def check_capacity_args(requests_per_s: float, prompt_len: int, output_len: int,
 
 
 # seam: lab 01 (grader/seams.py)
-
-
 def capacity_plan(config: Any, dtype: torch.dtype | str, requests_per_s: float, prompt_len: int, output_len: int,
                   ttft_s: float, tpot_s: float, gpu: GPUSpec | str, utilization: float = 0.9,
                   max_tp: int = 8, max_batch_size: int = 256, block_size: int = 16) -> CapacityPlan | None:

@@ -44,6 +44,7 @@ from engine_core.lora.request import LoRARequest
 from engine_core.lora.slots import LoRASlotPool
 from engine_core.memory import GPUS, ModelSpec
 from engine_core.models.lora import LoRAMapping, LoRAStack
+from engine_core.outputs import ModelRunnerOutput
 from engine_core.presets import preset_path
 from engine_core.request import Request, RequestStatus, SamplingParams
 from engine_core.worker.kv_cache import KVCache
@@ -103,8 +104,8 @@ class FakeRunner:
         kvm = sched.kv_cache_manager
         return cls(kvm.num_gpu_blocks, sched.block_size, kvm.num_cpu_blocks)
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        self.tables.forget(out.preempted_request_ids)
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.tables.apply(out)
         for g, c in out.swap_out:
             self.cpu[c] = list(self.gpu[g])
         for c, g in out.swap_in:
@@ -120,7 +121,7 @@ class FakeRunner:
                 self.gpu[table[pos // self.bs]][pos % self.bs] = (pos, kv)
             if chunk.emits:
                 sampled[rid] = kv % VOCAB
-        return sampled
+        return ModelRunnerOutput(sampled)
 
     def read(self, table: list[int], pos: int, rid: str) -> int:
         slot = self.gpu[table[pos // self.bs]][pos % self.bs]

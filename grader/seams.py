@@ -110,7 +110,7 @@ SEAMS: tuple[Seam, ...] = (
          _state(SCHEDULER, "kv_cache_manager", "waiting", "running", "max_num_seqs", "counters",
                 "_num_new_tokens", "_schedule_chunk")
          + _state(COUNTERS, "prefix_cache_queries", "prefix_cache_hits")),
-    Seam(LAB04, SCHEDULER, "schedule", "schedule",
+    Seam(LAB04, SCHEDULER, "_schedule_tokens", "schedule",
          _state(SCHEDULER, "max_num_batched_tokens", "running", "swapped", "kv_cache_manager", "_num_new_tokens",
                 "_preempt", "_schedule_chunk", "_swap_in", "_admit_waiting")),
 

@@ -14,8 +14,10 @@ be built: a warning says why). A call or `KERNELS_BACKEND=torch|cpu|triton` in t
 needs `TRITON_INTERPRET=1` set before triton is imported; triton itself is imported only when a
 Triton op first runs, so `import kernels` stays cheap.
 
-`attention_ops(backend, device)` resolves a backend once and returns its three functions: the
-model calls it once per step, not once per layer and op.
+`kernel_ops(backend, device, dtype)` is the one place a step's kernels are picked: the backend's
+attention and cache ops, and the fused elementwise ops (RMSNorm, SiLU-and-mul, RoPE) where the
+backend has them for that dtype (None: the model's PyTorch formula). The model builds it once per
+step (`models.attention.AttentionPlan`) and every layer uses it.
 """
 from __future__ import annotations
 
@@ -27,20 +29,24 @@ import torch
 
 from kernels import lora_reference, reference
 
-__all__ = ["AttentionOps", "attention_ops", "bgmv_expand", "bgmv_shrink", "paged_attention", "paged_attention_decode",
+__all__ = ["KernelOps", "kernel_ops", "bgmv_expand", "bgmv_shrink", "paged_attention", "paged_attention_decode",
            "reshape_and_cache", "resolve_backend", "sgmv_expand", "sgmv_shrink"]
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(frozen=True)
-class AttentionOps:
-    """One backend's ops, with `kernels.reference`'s signatures (positional arguments only)."""
+class KernelOps:
+    """One step's kernels: the backend's attention and cache ops, with `kernels.reference`'s signatures
+    (positional arguments only), and the fused elementwise ops `kernels.cpu` has for fp32 CPU rows."""
 
     backend: str
     reshape_and_cache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
     paged_attention_decode: Callable[..., torch.Tensor]
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None
+    rotary_embedding: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -69,19 +75,24 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def attention_ops(backend: str, device: torch.device) -> AttentionOps:
-    """The ops of `backend` for tensors on `device`. The Triton functions are looked up in their modules
-    at each call of this function, so a replaced module attribute (lab 06's seam) takes effect."""
+def kernel_ops(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> KernelOps:
+    """The ops of `backend` for tensors on `device`; with `dtype` float32 on the cpu backend, its fused
+    elementwise C ops too (the exact mode that matches Hugging Face). The functions are looked up in
+    their modules at each call of this function, so a replaced module attribute (lab 06's seam) takes
+    effect from the next step."""
     resolved = resolve_backend(backend, device)
     if resolved == "torch":
-        return AttentionOps(resolved, reference.reshape_and_cache, reference.paged_attention,
-                            reference.paged_attention_decode)
+        return KernelOps(resolved, reference.reshape_and_cache, reference.paged_attention,
+                         reference.paged_attention_decode)
     if resolved == "cpu":
         from kernels import cpu
-        return AttentionOps(resolved, cpu.reshape_and_cache, cpu.paged_attention, cpu.paged_attention_decode)
+        fused = dtype == torch.float32
+        return KernelOps(resolved, cpu.reshape_and_cache, cpu.paged_attention, cpu.paged_attention_decode,
+                         cpu.rms_norm if fused else None, cpu.silu_and_mul if fused else None,
+                         cpu.rotary_embedding if fused else None)
     from kernels.triton import cache, decode_attention, prefill_attention
-    return AttentionOps(resolved, cache.reshape_and_cache, prefill_attention.paged_attention,
-                        decode_attention.paged_attention_decode)
+    return KernelOps(resolved, cache.reshape_and_cache, prefill_attention.paged_attention,
+                     decode_attention.paged_attention_decode)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -89,7 +100,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
                       k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0, *,
                       backend: str = "auto") -> None:
     """Write key/value `[num_tokens, num_kv_heads, head_dim]` into the paged caches at `slot_mapping`."""
-    attention_ops(backend, key.device).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+    kernel_ops(backend, key.device).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
                                                          kv_cache_dtype, k_scale, v_scale)
 
 
@@ -98,7 +109,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     scale: float, k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0, *,
                     backend: str = "auto") -> torch.Tensor:
     """Varlen causal attention over paged KV (prefill chunks and decode rows alike)."""
-    return attention_ops(backend, query.device).paged_attention(query, key_cache, value_cache, block_tables,
+    return kernel_ops(backend, query.device).paged_attention(query, key_cache, value_cache, block_tables,
                                                                 seq_lens, query_start_loc, scale, k_scale, v_scale)
 
 
@@ -107,7 +118,7 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
                            num_splits: int = 1, *, backend: str = "auto") -> torch.Tensor:
     """One query row per sequence over its whole context; `num_splits > 1` is flash-decoding."""
-    return attention_ops(backend, query.device).paged_attention_decode(query, key_cache, value_cache, block_tables,
+    return kernel_ops(backend, query.device).paged_attention_decode(query, key_cache, value_cache, block_tables,
                                                                        seq_lens, scale, k_scale, v_scale, num_splits)
 
 

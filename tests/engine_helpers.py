@@ -34,18 +34,20 @@ def one_torch_thread() -> Iterator[None]:
 def check_engine(engine: LLMEngine) -> None:
     """Scheduler invariants (grader.harness.check_invariants), plus the runner and the engine agree
     with the scheduler: the runner holds block-table rows (and adapter pins) only for running
-    requests, every request the scheduler knows is one the engine will report, the step's budget
+    requests and for those finished since the last step (the next SchedulerOutput's
+    finished_req_ids tells the runner to forget them), every request the scheduler knows is one the engine will report, the step's budget
     was kept, and with LoRA at most max_loras distinct adapters run and the slot pool is whole."""
     sched = engine.scheduler
     check_invariants(sched)
     running = {r.request_id for r in sched.running}
-    assert set(engine.runner.input_batch.row_of) <= running, (engine.runner.input_batch.row_of, running)
+    known = running | sched.finished_req_ids
+    assert set(engine.runner.input_batch.row_of) <= known, (engine.runner.input_batch.row_of, known)
     assert set(sched.requests) <= set(engine.requests)
     step = engine.last_step
     assert step.num_prefill_tokens + step.num_decode_tokens <= engine.config.max_num_batched_tokens
     lora = engine.runner.lora
-    if lora is not None:  # only running requests pin adapters; the slot rule; each slot is held or free, once
-        assert set(lora.request_lora) <= running, (lora.request_lora, running)
+    if lora is not None:  # only running (or just finished) requests pin adapters; the slot rule; each slot is held or free, once
+        assert set(lora.request_lora) <= known, (lora.request_lora, known)
         adapters = {r.lora_id for r in sched.running if r.lora_id is not None}
         assert len(adapters) <= engine.config.engine.max_loras, adapters
         held = list(lora.slots.slot_of.values())

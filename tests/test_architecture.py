@@ -1,10 +1,13 @@
-"""docs/architecture.md stays true to the code: every engine module is on its map, and the import
-graph of engine_core, kernels and grader has no cycle (imports inside functions and under
-TYPE_CHECKING count too: a cycle hidden there is still a cycle in the design)."""
+"""docs/architecture.md stays true to the code: every engine module is on its map, the import graph of
+engine_core, kernels and grader has no cycle, and imports point down the layers the map draws (imports
+inside functions and under TYPE_CHECKING count too: a back import hidden there is still one in the
+design)."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine_core", "kernels", "grader")
@@ -65,15 +68,81 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def test_no_import_cycles():
-    mods = modules()
-    known = set(mods)
-    graph = {name: imports_of(name, path, known) for name, path in mods.items()}
+    graph = import_graph()
     assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
 
 
 def test_the_cycle_finder_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# The layers of docs/architecture.md, bottom first: a module imports only modules of its own layer or a
+# lower one (the longest matching prefix names a module's layer).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("kernels",),  # the ops library: imports nothing of the engine
+    ("engine_core.validation", "engine_core.prompts", "engine_core.interrupts", "engine_core.guard",
+     "engine_core.request", "engine_core.outputs", "engine_core.metrics", "engine_core.memory",
+     "engine_core.presets", "engine_core.config"),  # leaves every layer above uses
+    ("engine_core.core", "engine_core.models"),  # the scheduler and its KV bookkeeping; the model and its layers
+    ("engine_core.lora",),
+    ("engine_core.worker",),
+    ("engine_core.engine",),
+    ("engine_core.entrypoints", "engine_core.calibrate"),
+    ("engine_core",),  # the package's facade (engine_core/__init__.py)
+    ("grader",),
+)
+# Within a layer: core and models know nothing of each other, and core picks no kernel.
+FORBIDDEN = (("engine_core.core", "engine_core.models"), ("engine_core.models", "engine_core.core"),
+             ("engine_core.core", "kernels"))
+
+
+def layer_of(module: str) -> int:
+    best = max(((len(p), i) for i, layer in enumerate(LAYERS) for p in layer
+                if module == p or module.startswith(p + ".")), default=None)
+    assert best is not None, f"{module} is on no layer of tests/test_architecture.py's LAYERS (and the map)"
+    return best[1]
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that points up the layers, or across one of the FORBIDDEN pairs."""
+    found = []
+    for src, targets in sorted(graph.items()):
+        for dst in sorted(targets):
+            if layer_of(dst) > layer_of(src):
+                found.append(f"{src} imports {dst}, a higher layer")
+            elif any(_under(src, a) and _under(dst, b) for a, b in FORBIDDEN):
+                found.append(f"{src} imports {dst}, which its layer must not")
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: imports_of(name, path, known) for name, path in mods.items()}
+
+
+def test_imports_point_down_the_layers():
+    violations = layering_violations(import_graph())
+    assert not violations, "\n".join(violations)
+
+
+@pytest.mark.parametrize("src, dst", [
+    ("engine_core.models.llama", "engine_core.worker.kv_cache"),  # the model reaching into the worker
+    ("engine_core.config", "engine_core.models.config"),  # a leaf reaching a layer above it
+    ("engine_core.core.scheduler", "engine_core.models.attention"),  # core into its sibling
+    ("engine_core.core.scheduler_output", "kernels.fp8"),  # core picking a kernel
+    ("kernels.reference", "engine_core.request"),  # the ops library importing the engine
+])
+def test_the_layering_check_fails_on_a_planted_back_import(src, dst):
+    graph = import_graph()
+    assert dst in graph, dst
+    graph[src] = graph[src] | {dst}
+    assert any(v.startswith(f"{src} imports {dst}") for v in layering_violations(graph))
 
 
 def test_every_engine_module_is_on_the_architecture_map():

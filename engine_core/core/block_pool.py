@@ -76,7 +76,6 @@ class BlockPool:
         return out
 
     # seam: lab 02 (grader/seams.py)
-
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; a block reaching ref_cnt 0 joins the free queue's
         tail, in the order given (so pass them in the order they should be evicted). A block freed
@@ -93,7 +92,6 @@ class BlockPool:
                 self.free_queue[block.block_id] = block
 
     # seam: lab 05 (grader/seams.py)
-
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-cache hits: a free cached block leaves the free queue (it is
         in use again, so it cannot be evicted); a block already in use just gains a holder."""

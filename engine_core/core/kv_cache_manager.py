@@ -19,8 +19,6 @@ def cdiv(a: int, b: int) -> int:
 
 
 # seam: lab 05 (grader/seams.py)
-
-
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple | None = None) -> BlockHash:
     """Hash of one full block, chained on its parent block's `hash_value` (None for the first block).
 
@@ -178,7 +176,6 @@ class KVCacheManager:
         return self.num_blocks_to_swap(request) <= self.cpu_block_pool.num_free_blocks
 
     # seam: lab 03 (grader/seams.py)
-
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
         """Move the request's written KV to CPU blocks and free its GPU blocks. Returns the copies
         (gpu_block_id, cpu_block_id) the runner performs before the next forward pass; blocks
@@ -202,7 +199,6 @@ class KVCacheManager:
         return need <= self.block_pool.num_free_blocks
 
     # seam: lab 03 (grader/seams.py)
-
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         """Bring a swapped request's KV back into fresh GPU blocks and free its CPU blocks.
         Returns the copies (cpu_block_id, gpu_block_id), done before the step's forward pass."""

@@ -1,5 +1,10 @@
 """The continuous-batching scheduler (vLLM v1 style): one token budget per step.
 
+A step is three calls (vLLM v1's `EngineCore.step`): `schedule()` returns the step's one
+`SchedulerOutput`, the model runner executes it (`ModelRunnerOutput`), and
+`update_from_output(scheduler_output, model_runner_output)` applies the result: tokens appended,
+requests whose step failed or that stop finished here, their blocks freed.
+
 Each step, `schedule()` hands out `max_num_batched_tokens` tokens: first to running
 requests in order (decodes and unfinished prefill chunks), preempting the lowest-priority
 running requests when blocks run out; then swapped requests are brought back; then
@@ -24,23 +29,24 @@ from engine_core.core.cost_model import PreemptionCostModel
 from engine_core.core.kv_cache_manager import KVCacheBlock, KVCacheManager, cdiv
 from engine_core.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from engine_core.metrics import Stats
+from engine_core.outputs import ModelRunnerOutput
 from engine_core.request import Request, RequestStatus
 
 
 class Scheduler:
     """Decides, each step, which tokens of which requests run, and which KV blocks move."""
 
-    def __init__(self, config: ResolvedConfig, kv_cache_config: KVCacheConfig,
+    def __init__(self, resolved: ResolvedConfig, kv_cache_config: KVCacheConfig,
                  cost_model: PreemptionCostModel) -> None:
-        self.config = config.engine  # the user's arguments (preemption_mode, long_prefill_token_threshold, ...)
-        self.block_size = config.engine.block_size
-        self.max_model_len = config.max_model_len
-        self.max_num_seqs = config.engine.max_num_seqs
-        self.chunked_prefill = config.engine.enable_chunked_prefill
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.config = resolved.engine  # the user's arguments (preemption_mode, long_prefill_token_threshold, ...)
+        self.block_size = self.config.block_size
+        self.max_model_len = resolved.max_model_len
+        self.max_num_seqs = self.config.max_num_seqs
+        self.chunked_prefill = self.config.enable_chunked_prefill
+        self.max_num_batched_tokens = resolved.max_num_batched_tokens
         self.cost_model = cost_model
         self.kv_cache_manager = KVCacheManager(kv_cache_config.num_gpu_blocks, self.block_size,
-                                               enable_caching=config.engine.enable_prefix_caching,
+                                               enable_caching=self.config.enable_prefix_caching,
                                                num_cpu_blocks=kv_cache_config.num_cpu_blocks)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()  # recompute-preempted requests at the front
@@ -49,6 +55,7 @@ class Scheduler:
         self.counters = Stats()
         # request id -> (its block table list, blocks of it the runner has): to hand over only new block ids
         self._sent_tables: dict[str, tuple[list[KVCacheBlock], int]] = {}
+        self.finished_req_ids: set[str] = set()  # finished or aborted since the last schedule(): the runner forgets them
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -90,8 +97,15 @@ class Scheduler:
         return len(self.requests)
 
     # ---- one step ------------------------------------------------------------------------
-    # seam: lab 04 (grader/seams.py)
     def schedule(self) -> SchedulerOutput:
+        """The step's one message: the chunks and KV copies `_schedule_tokens` plans, plus the requests
+        finished or aborted since the last step, which the runner forgets before running it."""
+        out = self._schedule_tokens()
+        out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
+        return out
+
+    # seam: lab 04 (grader/seams.py)
+    def _schedule_tokens(self) -> SchedulerOutput:
         """Plan one step under the token budget (see the module docstring for the order).
         Does not advance num_computed_tokens: `update_from_output` does, after the forward."""
         out = SchedulerOutput()
@@ -128,7 +142,6 @@ class Scheduler:
         return out
 
     # seam: lab 04 (grader/seams.py)
-
     def _num_new_tokens(self, request: Request, budget: int, num_computed: int | None = None) -> int:
         """Tokens to compute for `request` this step: all remaining ones (after `num_computed`,
         default its num_computed_tokens), capped by the budget and (chunked prefill only)
@@ -183,7 +196,6 @@ class Scheduler:
         return budget
 
     # seam: lab 04 (grader/seams.py)
-
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests in FCFS order (a prefix-cache lookup first) while budget,
         max_num_seqs, blocks and adapter slots allow; the first that does not fit stops admission."""
@@ -255,7 +267,6 @@ class Scheduler:
         return victim
 
     # seam: lab 03 (grader/seams.py)
-
     def choose_preemption_mode(self, request: Request) -> str:
         """"recompute" or "swap" for preempting `request`.
 
@@ -277,14 +288,19 @@ class Scheduler:
         return "swap" if swap < recompute else "recompute"
 
     # ---- after the forward pass ----------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
-        """Advance num_computed_tokens for every executed chunk, cache newly full blocks (their KV
-        is written now), append the sampled token of chunks that reached the last token, finish
-        requests that stop. Returns every request that got a token, finished ones included."""
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[Request]:
+        """Apply the runner's result. Requests whose step failed finish with FINISHED_ERROR (`.error`
+        says why); for every other executed chunk: advance num_computed_tokens, cache newly full blocks
+        (their KV is written now), append the sampled token of chunks that reached the last token,
+        finish requests that stop. Returns the failed requests, then every request that got a token
+        (finished ones included)."""
         now = time.monotonic()
+        failed = [self._fail(rid, why) for rid, why in model_runner_output.failed.items() if rid in self.requests]
+        sampled_token_ids = model_runner_output.sampled
         got_token: list[Request] = []
         finished: list[Request] = []
-        for chunk in output.scheduled:
+        for chunk in scheduler_output.scheduled:
             request = chunk.request
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted between schedule() and now
@@ -306,7 +322,15 @@ class Scheduler:
         if finished:
             done = {r.request_id for r in finished}
             self.running = [r for r in self.running if r.request_id not in done]
-        return got_token
+        return failed + got_token
+
+    def _fail(self, request_id: str, why: str) -> Request:
+        """Finish a request whose step failed, before its chunk is applied (the loop then skips it)."""
+        request = self.requests[request_id]
+        request.error = why
+        self.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+        self.counters.num_failed_requests += 1
+        return request
 
     def _remove_from_queues(self, request: Request) -> None:
         for queue in (self.running, self.waiting, self.swapped):
@@ -320,6 +344,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._sent_tables.pop(request.request_id, None)
+        self.finished_req_ids.add(request.request_id)
         self.counters.observe_finished(request)
 
     # ---- recovery ------------------------------------------------------------------------

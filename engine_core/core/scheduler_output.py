@@ -1,8 +1,12 @@
-"""What one scheduler step hands the model runner: a flat list of chunks plus KV copies.
+"""What one scheduler step hands the model runner: everything the runner applies this step.
 
-The runner keeps each running request's block table between steps (as vLLM v1's input batch
-does), so a chunk carries only the block ids appended since the runner last saw the request;
-`resumed` says they are the whole table instead (a new, recomputed or swapped-in request).
+The one message of the step (vLLM v1's `SchedulerOutput`): the chunks to compute, the KV block
+copies, and the requests the runner must forget (preempted this step; finished or aborted since the
+last step). The runner learns about requests from it alone, so the same object can go to every
+worker of a parallel engine. The runner keeps each running request's block table between steps (as
+vLLM v1's input batch does), so a chunk carries only the block ids appended since the runner last
+saw the request; `resumed` says they are the whole table instead (a new, recomputed or swapped-in
+request).
 """
 from __future__ import annotations
 
@@ -45,6 +49,9 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu_block_id, cpu_block_id)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu_block_id, gpu_block_id)
     preempted_request_ids: list[str] = field(default_factory=list)  # the runner forgets their tables
+    # finished or aborted since the previous step's SchedulerOutput: the runner forgets their tables
+    # and adapter pins (`Scheduler.schedule` fills it)
+    finished_req_ids: set[str] = field(default_factory=set)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -59,6 +66,11 @@ class BlockTables:
     def __init__(self) -> None:
         self.tables: dict[str, list[int]] = {}
 
+    def apply(self, out: SchedulerOutput) -> None:
+        """Forget the requests the step names (finished, aborted, preempted) before its chunks run."""
+        for rid in [*out.finished_req_ids, *out.preempted_request_ids]:
+            self.tables.pop(rid, None)
+
     def update(self, chunk: ScheduledChunk) -> list[int]:
         """Apply the chunk's new block ids; returns its request's whole table."""
         rid = chunk.request.request_id
@@ -69,7 +81,3 @@ class BlockTables:
         else:
             raise RuntimeError(f"request {rid!r}: no table yet, but the chunk carries only new block ids")
         return self.tables[rid]
-
-    def forget(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self.tables.pop(rid, None)

@@ -18,10 +18,10 @@ from engine_core.models.lora import FUSED_MODULES, LoRABatch, attach_lora_stacks
 
 
 class LoRAManager:
-    def __init__(self, model: LlamaForCausalLM, args: LlamaArgs, config: ResolvedConfig) -> None:
+    def __init__(self, model: LlamaForCausalLM, args: LlamaArgs, config: ResolvedConfig, backend: str) -> None:
         engine = config.engine
         self.args, self.dtype, self.device = args, config.dtype, config.device
-        self.backend = config.attention_backend
+        self.backend = backend  # the runner's resolved kernel backend: the SGMV / BGMV ops dispatch on it
         self.max_lora_rank = engine.max_lora_rank
         self.scaling = torch.zeros(engine.max_loras, dtype=torch.float32, device=config.device)
         self.stacks = attach_lora_stacks(model, args, engine.max_loras, engine.max_lora_rank, self.scaling)

@@ -1,13 +1,15 @@
 """Batch metadata for attention, passed explicitly through the forward (no module-global context).
 
 The model runner builds one `AttentionMetadata` per step from the SchedulerOutput. The model turns
-it into one `AttentionPlan` per step: the backend's ops resolved once, the batch split into its
-decode rows and prefill chunks once, the emitting rows' tables picked once; every layer then runs
-the same plan on its own layer of the KV cache.
+it into one `AttentionPlan` per step: the step's kernels picked once (`kernels.kernel_ops`: attention,
+cache write, fused elementwise ops), the batch split into its decode rows and prefill chunks once, the
+emitting rows' tables picked once; every layer then runs the same plan on its own layer of the KV
+cache (`PagedKVCache.layer`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 
@@ -52,13 +54,23 @@ class LayerKV:
     v_scale: torch.Tensor
 
 
+class PagedKVCache(Protocol):
+    """What the model reads of the KV cache (`worker.kv_cache.KVCache` is the engine's): each layer's
+    tensors, and the observer that sees each layer's new K and V before they are written (dynamic fp8
+    scales, calibration) or None."""
+
+    observer: Callable[[int, torch.Tensor, torch.Tensor], None] | None
+
+    def layer(self, i: int) -> LayerKV: ...
+
+
 class AttentionPlan:
     """Everything attention needs for one step, derived once from the metadata (host-side slicing
     only, nothing that synchronises with a device, so CUDA graph capture still works)."""
 
-    def __init__(self, meta: AttentionMetadata, device: torch.device) -> None:
+    def __init__(self, meta: AttentionMetadata, device: torch.device, dtype: torch.dtype) -> None:
         self.meta = meta
-        self.ops = kernels.attention_ops(meta.backend, device)
+        self.ops = kernels.kernel_ops(meta.backend, device, dtype)
         nd, n = meta.num_decode_seqs, len(meta.seq_lens)
         self.num_decode_seqs, self.num_seqs = nd, n
         # decode rows (one per sequence, rows 0..nd-1) and prefill chunks (the rest)

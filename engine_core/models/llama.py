@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels.cpu
-from engine_core.models.attention import AttentionMetadata, AttentionPlan, LayerKV
+from engine_core.models.attention import AttentionMetadata, AttentionPlan, PagedKVCache
 from engine_core.models.config import LlamaArgs
 from engine_core.models.linear import Linear
 from engine_core.models.loader import CheckpointReader
 from engine_core.models.lora import LoRAMapping
-from engine_core.worker.kv_cache import KVCache
 
 
 def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
@@ -52,10 +51,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        """`fused`: one C call (fp32 CPU rows; kernels.cpu.rms_norm) instead of six ops."""
-        if fused and x.dim() == 2:
-            return kernels.cpu.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, op: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """`op`: the step's fused RMSNorm (`KernelOps.rms_norm`: one C call for fp32 CPU rows) instead of six ops."""
+        if op is not None and x.dim() == 2:
+            return op(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -82,8 +82,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(ckpt.get(f"{prefix}.q_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(ckpt.get(f"{prefix}.k_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: "Rope", kv_cache: KVCache, plan: AttentionPlan, residual: torch.Tensor,
-                only_output_rows: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: "Rope", kv_cache: PagedKVCache, plan: AttentionPlan,
+                residual: torch.Tensor, only_output_rows: bool = False) -> torch.Tensor:
         """residual + o_proj(attention). `only_output_rows`: write K/V for every row, compute the
         rest for plan.output_rows only (`residual` is then those rows')."""
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -98,27 +98,29 @@ class Attention(nn.Module):
         i = self.layer_idx
         if kv_cache.observer is not None:  # dynamic fp8 scales or a calibration run
             kv_cache.observer(i, k, v)
-        kv = LayerKV(kv_cache.key[i], kv_cache.value[i], kv_cache.k_scale[i], kv_cache.v_scale[i])
+        kv = kv_cache.layer(i)
         plan.write_kv(k, v, kv)
         out = (plan.attend_output_rows if only_output_rows else plan.attend)(q, kv, self.scale)
         return self.o_proj(out.reshape(-1, h * d), residual, lora and lora.rows(only_output_rows))
 
 
 class Rope:
-    """One step's rotate-half RoPE on `[tokens, heads, head_dim]`. Fused: the C kernel rotates in
-    place, reading the cos/sin table rows by position itself. Otherwise the PyTorch formula, with
-    the rows gathered once per step (`[tokens, 1, head_dim/2]`)."""
+    """One step's rotate-half RoPE on `[tokens, heads, head_dim]`. With the step's fused op
+    (`KernelOps.rotary_embedding`, a C kernel) it rotates in place, reading the cos/sin table rows by
+    position itself. Otherwise the PyTorch formula, with the rows gathered once per step
+    (`[tokens, 1, head_dim/2]`)."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, fused: bool) -> None:
-        self.fused = fused
-        if fused:
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None] | None) -> None:
+        self.op = op
+        if op is not None:
             self.positions, self.cos, self.sin = positions, cos, sin
         else:
             self.cos, self.sin = cos[positions, None], sin[positions, None]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            kernels.cpu.rotary_embedding(x, self.positions, self.cos, self.sin)
+        if self.op is not None:
+            self.op(x, self.positions, self.cos, self.sin)
             return x
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin), dim=-1)
@@ -132,12 +134,13 @@ class MLP(nn.Module):
         self.gate_up_proj = _linear(ckpt, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], args.mlp_bias)
         self.down_proj = _linear(ckpt, [f"{prefix}.down_proj"], args.mlp_bias)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, fused: bool = False,
+    def forward(self, x: torch.Tensor, residual: torch.Tensor,
+                silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None,
                 lora: LoRAMapping | None = None) -> torch.Tensor:
-        """residual + mlp(x). `fused`: SiLU-and-mul in one C call (kernels.cpu.silu_and_mul)."""
+        """residual + mlp(x). `silu_and_mul`: the step's fused op (`KernelOps.silu_and_mul`, one C call)."""
         gate_up = self.gate_up_proj(x, lora=lora)
-        if fused:
-            return self.down_proj(kernels.cpu.silu_and_mul(gate_up), residual, lora)
+        if silu_and_mul is not None:
+            return self.down_proj(silu_and_mul(gate_up), residual, lora)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up, residual, lora)
 
@@ -151,12 +154,13 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(ckpt.get(f"{p}.post_attention_layernorm.weight"), args.rms_norm_eps)
         self.mlp = MLP(args, ckpt, f"{p}.mlp")
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: KVCache, plan: AttentionPlan, fused: bool,
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: PagedKVCache, plan: AttentionPlan,
                 only_output_rows: bool = False) -> torch.Tensor:
         residual = x[plan.output_rows] if only_output_rows else x
-        x = self.attn(self.input_norm(x, fused), rope, kv_cache, plan, residual, only_output_rows)
+        ops = plan.ops
+        x = self.attn(self.input_norm(x, ops.rms_norm), rope, kv_cache, plan, residual, only_output_rows)
         lora = plan.meta.lora
-        return self.mlp(self.post_attn_norm(x, fused), x, fused, lora and lora.rows(only_output_rows))
+        return self.mlp(self.post_attn_norm(x, ops.rms_norm), x, ops.silu_and_mul, lora and lora.rows(only_output_rows))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -180,18 +184,16 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos", freqs.cos().to(device=self.embed.device, dtype=self.embed.dtype), persistent=False)
         self.register_buffer("sin", freqs.sin().to(device=self.embed.device, dtype=self.embed.dtype), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
-        plan = AttentionPlan(attn_metadata, x.device)
-        # The cpu backend's fused elementwise C ops, for fp32 (the exact mode that matches HF)
-        fused = plan.ops.backend == "cpu" and x.dtype == torch.float32
-        rope = Rope(self.cos, self.sin, positions, fused)
+        plan = AttentionPlan(attn_metadata, x.device, x.dtype)  # the step's kernels, picked once
+        rope = Rope(self.cos, self.sin, positions, plan.ops.rotary_embedding)
         only_output_rows = attn_metadata.output_rows is not None
         for layer in self.layers[:-1]:
-            x = layer(x, rope, kv_cache, plan, fused)
-        x = self.layers[-1](x, rope, kv_cache, plan, fused, only_output_rows)
-        return self.norm(x, fused)
+            x = layer(x, rope, kv_cache, plan)
+        x = self.layers[-1](x, rope, kv_cache, plan, only_output_rows)
+        return self.norm(x, plan.ops.rms_norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head_proj(hidden).float()

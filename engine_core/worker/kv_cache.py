@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from engine_core.models.attention import LayerKV
 from kernels.fp8 import fp8_dtype, is_fp8
 
 # Called by attention with each layer's new K and V `[num_tokens, num_kv_heads, head_dim]` before they
@@ -62,6 +63,10 @@ class KVCache:
     @property
     def num_blocks(self) -> int:
         return self.key[0].shape[0]
+
+    def layer(self, i: int) -> LayerKV:
+        """Layer i's K and V caches and scales, as the model's attention reads them."""
+        return LayerKV(self.key[i], self.value[i], self.k_scale[i], self.v_scale[i])
 
     def set_scales(self, k_scales: list[torch.Tensor], v_scales: list[torch.Tensor]) -> None:
         """Per layer, K and V scales broadcastable to the cache's (`[]`, or `[num_kv_heads]`), copied in place."""

@@ -7,7 +7,8 @@ Built in vLLM's order: load the weights (`__init__`), size the KV cache from the
 tokens; on CPU `kv_cache_memory_bytes`, default 1 GiB), then allocate it and capture CUDA graphs
 (`initialize_kv_cache`).
 
-Per step (`execute_model`): run the scheduled KV block copies (swap_out first, then swap_in),
+Per step (`execute_model(scheduler_output)`, the step's one message): forget the requests it names
+(finished, aborted, preempted), run the scheduled KV block copies (swap_out first, then swap_in),
 apply the new block ids to the persistent block tables (`InputBatch`), build the batch tensors
 (input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc) with vectorised
 index arithmetic, choose flash-decoding's split count for the decode-op calls
@@ -18,10 +19,11 @@ slot mapping, `attn_metadata.lora`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+import kernels
 from engine_core import memory
 from engine_core.config import KVCacheConfig, ResolvedConfig
 from engine_core.core.kv_cache_manager import cdiv
@@ -30,6 +32,7 @@ from engine_core.lora.manager import LoRAManager
 from engine_core.models.attention import AttentionMetadata
 from engine_core.models.config import ModelConfig
 from engine_core.models.llama import LlamaForCausalLM, load_model
+from engine_core.outputs import ModelRunnerOutput
 from engine_core.request import Request, SamplingParams
 from engine_core.worker.cuda_graphs import DecodeGraphs
 from engine_core.worker.input_batch import InputBatch
@@ -39,14 +42,6 @@ from engine_core.worker.sampler import INVALID_TOKEN, Sampler
 from kernels import split_policy
 
 DEFAULT_CPU_KV_BYTES = 2**30
-
-
-@dataclass
-class RunnerOutput:
-    """One step's result: a token for every request that emits, or why its step failed."""
-
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
-    failed: dict[str, str] = field(default_factory=dict)  # request id -> what failed, naming the request
 
 
 @dataclass
@@ -67,11 +62,15 @@ class ModelRunner:
         # fp8 scales from a file or the checkpoint, checked against the model before the weights load
         self.kv_amax = static_kv_amax(engine.kv_cache_dtype, engine.calculate_kv_scales, engine.kv_cache_scales,
                                       engine.kv_scales_per_head, model_config.path, args.num_layers, args.num_kv_heads)
+        # the kernel backend, resolved once before the weights load ("torch", "cpu" or "triton"); each step's
+        # ops come from kernels.kernel_ops on it
+        self.attention_backend = kernels.resolve_backend(engine.attention_backend, self.device)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else 0  # flash-decoding's split policy; 0: never split
         self.model: LlamaForCausalLM = load_model(model_config.path, model_config.args, config.dtype, config.device,
                                                   max_positions=config.max_model_len)
-        self.lora = LoRAManager(self.model, model_config.args, config) if config.engine.enable_lora else None
+        self.lora = LoRAManager(self.model, model_config.args, config, self.attention_backend) \
+            if config.engine.enable_lora else None
         self.sampler = Sampler(config.engine.seed)
         self.input_batch = InputBatch(config.engine.max_num_seqs, cdiv(config.max_model_len, self.block_size))
         self.kv_cache: KVCache | None = None  # initialize_kv_cache
@@ -111,7 +110,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         model_input = build_model_input([chunk], [batch.add_chunk(chunk)], batch, self.block_size, self.device,
-                                        self.config.engine.kv_cache_dtype, self.config.attention_backend)
+                                        self.config.engine.kv_cache_dtype, self.attention_backend)
         hidden = self.model(model_input.input_ids, model_input.positions, scratch, model_input.attn_metadata)
         self.model.compute_logits(hidden)
         torch.cuda.synchronize(self.device)
@@ -138,7 +137,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not engine.enforce_eager:
             self.cuda_graphs = DecodeGraphs(self.model, self.kv_cache, engine.max_num_seqs,
                                             cdiv(self.config.max_model_len, self.block_size), self.device,
-                                            self.config.attention_backend)
+                                            self.attention_backend)
 
     def _new_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> KVCache:
         args, engine = self.model_config.args, self.config.engine
@@ -147,8 +146,8 @@ class ModelRunner:
                        engine.kv_scales_per_head)
 
     # ---- requests --------------------------------------------------------------------------
-    def remove_requests(self, request_ids: list[str]) -> None:
-        """Forget the block tables of finished or aborted requests (and their adapters' slot pins)."""
+    def _forget(self, request_ids: list[str]) -> None:
+        """Drop the block-table rows and adapter slot pins of requests the step names as gone."""
         for rid in request_ids:
             self.input_batch.remove(rid)
         if self.lora is not None:
@@ -157,24 +156,25 @@ class ModelRunner:
     def forget_all_requests(self) -> None:
         """After a step that raised part-way (the engine requeues every request to be recomputed): no
         block-table rows, no adapter pins, no adapter slot trusted (one may be half-copied)."""
-        self.remove_requests(list(self.input_batch.row_of))
+        self._forget(list(self.input_batch.row_of))
         if self.lora is not None:
             self.lora.forget_all()
 
     # ---- one step --------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """Run one step: the KV block copies, then the forward and sampling of every scheduled chunk.
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: forget the requests it names, the KV block copies, then the forward and sampling
+        of every scheduled chunk.
 
         A forward that raises is retried one chunk at a time, so the fault is pinned on the requests
-        whose chunks raise alone (`RunnerOutput.failed`) while the rest of the batch still gets its
+        whose chunks raise alone (`ModelRunnerOutput.failed`) while the rest of the batch still gets its
         tokens. Each retry recomputes the KV slots the failed batch may have half-written (they lie
         past every request's num_computed_tokens, in blocks no other request holds)."""
+        self._forget([*scheduler_output.finished_req_ids, *scheduler_output.preempted_request_ids])
         self.kv_cache.swap_out(scheduler_output.swap_out)
         self.kv_cache.swap_in(scheduler_output.swap_in)
-        self.remove_requests(scheduler_output.preempted_request_ids)
         if not scheduler_output.scheduled:
-            return RunnerOutput()
+            return ModelRunnerOutput()
         chunks = sorted(scheduler_output.scheduled, key=lambda c: c.num_tokens != 1)  # decodes first (stable)
         rows = [self.input_batch.add_chunk(c) for c in chunks]
         try:
@@ -182,11 +182,11 @@ class ModelRunner:
         except Exception as error:
             self._distrust_lora_slots()
             if len(chunks) == 1:
-                return RunnerOutput(failed={chunks[0].request.request_id: _fault(chunks[0], error)})
+                return ModelRunnerOutput(failed={chunks[0].request.request_id: _fault(chunks[0], error)})
         return self._run_one_by_one(chunks, rows)
 
-    def _run_one_by_one(self, chunks: list[ScheduledChunk], rows: list[int]) -> RunnerOutput:
-        out = RunnerOutput()
+    def _run_one_by_one(self, chunks: list[ScheduledChunk], rows: list[int]) -> ModelRunnerOutput:
+        out = ModelRunnerOutput()
         for chunk, row in zip(chunks, rows):
             try:
                 alone = self._run([chunk], [row])
@@ -204,19 +204,19 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.slots.clear()
 
-    def _run(self, chunks: list[ScheduledChunk], rows: list[int]) -> RunnerOutput:
+    def _run(self, chunks: list[ScheduledChunk], rows: list[int]) -> ModelRunnerOutput:
         """Forward and sample `chunks` (their block-table rows already applied)."""
         batch = build_model_input(chunks, rows, self.input_batch, self.block_size, self.device,
-                                  self.config.engine.kv_cache_dtype, self.config.attention_backend)
+                                  self.config.engine.kv_cache_dtype, self.attention_backend)
         if self.num_sms:
             self._choose_num_splits(chunks, batch.attn_metadata)
         if self.lora is not None:
             batch.attn_metadata.lora = self.lora.prepare(chunks, batch.attn_metadata)
         hidden = self._forward(batch)
         if not batch.emitting:  # only mid-prompt chunks this step
-            return RunnerOutput()
+            return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden)  # the forward returned only the emitting rows
-        out = RunnerOutput()
+        out = ModelRunnerOutput()
         for request, token in zip(batch.emitting, self.sampler(logits, batch.emitting)):
             if token == INVALID_TOKEN:
                 out.failed[request.request_id] = (

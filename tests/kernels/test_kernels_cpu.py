@@ -138,7 +138,7 @@ def test_rms_norm_matches_the_formula(rows: int, width: int) -> None:
     norm = RMSNorm(torch.randn(width, generator=gen), 1e-6)
     want = RMSNorm(norm.weight.double(), 1e-6)(x.double())
     _close(cpu.rms_norm(x, norm.weight, 1e-6), want, f"rms_norm {rows}x{width}")
-    _close(norm(x, fused=True), want, "RMSNorm(fused=True)")
+    _close(norm(x, cpu.rms_norm), want, "RMSNorm(x, op=cpu.rms_norm)")
 
 
 @pytest.mark.parametrize("shape", [(5, 12), (300, 256)])  # a tail; the threaded loop
@@ -161,9 +161,9 @@ def test_rotary_embedding_rotates_in_place_like_the_formula(head_dim: int) -> No
     positions = torch.randint(0, 50, (tokens,), generator=gen)
     qkv = torch.randn(tokens, heads + 2, head_dim, generator=gen)
     x = qkv[:, :heads]  # a strided view, as in the model
-    want = Rope(cos.double(), sin.double(), positions, fused=False)(x.double())
+    want = Rope(cos.double(), sin.double(), positions, None)(x.double())
     untouched = qkv[:, heads:].clone()
-    assert Rope(cos, sin, positions, fused=True)(x) is x
+    assert Rope(cos, sin, positions, cpu.rotary_embedding)(x) is x
     _close(x, want, f"rotary_embedding head_dim={head_dim}")
     assert torch.equal(qkv[:, heads:], untouched)
     with pytest.raises(IndexError, match="outside the RoPE tables"):

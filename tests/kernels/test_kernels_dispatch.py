@@ -35,7 +35,7 @@ def test_cpu_tensors_default_to_the_c_kernels(monkeypatch: pytest.MonkeyPatch) -
     assert kernels.resolve_backend("auto", torch.device("cpu")) == "cpu"
     q, kc, vc, bt, sl = _decode_inputs()
     out = kernels.paged_attention_decode(q, kc, vc, bt, sl, 0.25)
-    assert calls == [] and kernels.attention_ops("auto", q.device).paged_attention_decode is cpu.paged_attention_decode
+    assert calls == [] and kernels.kernel_ops("auto", q.device).paged_attention_decode is cpu.paged_attention_decode
     torch.testing.assert_close(out, reference.paged_attention_decode(q, kc, vc, bt, sl, 0.25))
 
 
@@ -44,7 +44,21 @@ def test_torch_backend_is_the_reference_exactly(monkeypatch: pytest.MonkeyPatch)
     out = kernels.paged_attention_decode(q, kc, vc, bt, sl, 0.25, backend="torch")
     assert torch.equal(out, reference.paged_attention_decode(q, kc, vc, bt, sl, 0.25))
     monkeypatch.setenv("KERNELS_BACKEND", "torch")
-    assert kernels.attention_ops("auto", q.device).paged_attention_decode is reference.paged_attention_decode
+    assert kernels.kernel_ops("auto", q.device).paged_attention_decode is reference.paged_attention_decode
+
+
+def test_the_fused_elementwise_ops_come_with_the_cpu_backend_at_fp32_only() -> None:
+    """One place picks the step's kernels: the model reads its fused RMSNorm, SiLU-and-mul and RoPE from
+    the ops object (the C kernels exactly where they match Hugging Face: fp32 on the cpu backend)."""
+    from kernels import cpu
+    if cpu.load() is None:
+        pytest.skip(f"the C kernels could not be built here: {cpu.load_error()}")
+    device = torch.device("cpu")
+    fp32 = kernels.kernel_ops("cpu", device, torch.float32)
+    assert (fp32.rms_norm, fp32.silu_and_mul, fp32.rotary_embedding) == (cpu.rms_norm, cpu.silu_and_mul,
+                                                                         cpu.rotary_embedding)
+    for ops in (kernels.kernel_ops("cpu", device, torch.bfloat16), kernels.kernel_ops("torch", device, torch.float32)):
+        assert (ops.rms_norm, ops.silu_and_mul, ops.rotary_embedding) == (None, None, None), ops.backend
 
 
 def test_cpu_backend_refuses_cuda_tensors() -> None:
