@@ -219,6 +219,21 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on(llm, e
     assert llm.num_step_errors == 1
 
 
+def test_a_task_cancelled_before_its_add_is_applied_leaves_nothing_and_the_loop_alive(llm, expected):
+    async def main():
+        blocker = llm.run_in_engine(lambda engine: time.sleep(0.5))  # the loop is busy: the add waits in the inbox
+        task = asyncio.create_task(_collect(llm, PROMPTS[0], SamplingParams(max_tokens=1000, **GREEDY), "gone"))
+        await asyncio.sleep(0.05)
+        task.cancel()  # cancels the add's future too (asyncio.wrap_future)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        blocker.result(5)
+        assert _idle(llm)["num_finished_requests"] == 0, "the cancelled add was never applied"
+        return await _collect(llm, PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS[0], **GREEDY), "next")
+
+    assert asyncio.run(main())[-1].outputs[0].token_ids == expected[0]
+
+
 @pytest.mark.parametrize("abort", [False, True])
 def test_shutdown_with_requests_in_flight_finishes_or_aborts_them_and_joins(expected, abort):
     llm = AsyncLLM.from_kwargs("tiny-llama", **ENGINE)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from engine_core.request import Request, RequestOutput, SamplingParams
 from engine_core.validation import check_int
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class QueueFullError(RuntimeError):
@@ -244,12 +246,20 @@ class AsyncLLM:
     def _drain_inbox(self) -> None:
         while self._inbox:
             command = self._inbox.popleft()
-            if isinstance(command, _Add):
-                self._add(command)
-            elif isinstance(command, _Abort):
-                self._abort_streams([command.request_id])
-            else:
-                _settle(command.future, command.fn, self.engine)
+            if isinstance(command, (_Add, _Call)) and not command.future.set_running_or_notify_cancel():
+                continue  # its caller was cancelled while it waited here (asyncio.wrap_future cancels it)
+            try:
+                if isinstance(command, _Add):
+                    self._add(command)
+                elif isinstance(command, _Abort):
+                    self._abort_streams([command.request_id])
+                else:
+                    _settle(command.future, command.fn, self.engine)
+            except Exception as e:  # a fault of ours must not kill the loop: the command's caller hears of it
+                if isinstance(command, (_Add, _Call)) and not command.future.done():
+                    command.future.set_exception(e)
+                else:
+                    logger.exception("AsyncLLM: %r failed", command)
 
     def _add(self, command: _Add) -> None:
         if self._stopping:
@@ -303,7 +313,7 @@ class AsyncLLM:
             self._closed = True
         dead = EngineDeadError("the engine loop stopped")
         for command in self._inbox:
-            if isinstance(command, (_Add, _Call)):
+            if isinstance(command, (_Add, _Call)) and command.future.set_running_or_notify_cancel():
                 command.future.set_exception(dead)
         self._inbox.clear()
         try:

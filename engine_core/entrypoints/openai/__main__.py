@@ -53,7 +53,10 @@ def main(argv: list[str] | None = None) -> None:
     from engine_core.entrypoints.openai.api_server import build_app
 
     template = Path(args.chat_template).read_text() if args.chat_template else None
-    llm = AsyncLLM.from_kwargs(args.model, max_waiting_requests=args.max_waiting_requests, **engine_args)
+    try:
+        llm = AsyncLLM.from_kwargs(args.model, max_waiting_requests=args.max_waiting_requests, **engine_args)
+    except ValueError as e:  # an engine argument or the model folder: say which, no traceback
+        parser.error(str(e))
     app = build_app(llm, args.served_model_name or args.model, template)
     try:
         # streams still open at Ctrl-C get 5 s, then go (their requests are aborted below)

@@ -333,7 +333,7 @@ def _sse(merged: Merged, chunk: Callable[[ChoiceEvent], Any], usage_chunk: Calla
         ends: dict[int, ChoiceEvent] = {}
         try:
             for c in first or []:
-                yield f"data: {c.model_dump_json(exclude_none=True)}\n\n"
+                yield f"data: {c.model_dump_json()}\n\n"
             async for event in merged:
                 completion_tokens[event.index] = event.num_tokens
                 if event.finish_reason is not None:
