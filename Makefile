@@ -69,10 +69,10 @@ serve: venv
 	$(PY) -m engine_core.entrypoints.openai $(SERVE_ARGS)
 
 demo: venv
-	$(PY) -m engine_core.demo
+	$(PY) -m examples.continuous_batching
 
 bench: venv
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m engine_core.bench --model small-llama --num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.throughput --model small-llama --num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0
 
 # vLLM's CPU build in its own venv (never .venv): ~3.5 GB. Its install pulls CUDA builds of
 # torchvision/torchaudio/torchcodec that break `import vllm`; they are removed. First start compiles ~3 min.
@@ -87,11 +87,11 @@ $(VLLM_STAMP):
 	touch $(VLLM_STAMP)
 
 bench-vllm: venv $(VLLM_STAMP)
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m engine_core.bench_vllm --vllm-python $(VLLM_VENV)/bin/python --model small-llama \
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.vs_vllm --vllm-python $(VLLM_VENV)/bin/python --model small-llama \
 		--num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0 --rounds 3 $(BENCH_ARGS)
 
 bench-kernels: venv
-	$(PY) -m kernels.bench
+	$(PY) -m benchmarks.kernels
 
 # Every GPU acceptance line in one command, under 5 minutes on an H100/H200 (each part has a hard time limit): the
 # tests of the compiled Triton kernels, the fp8 KV cache, flash-decoding and CUDA graphs, then the kernel benchmark's
@@ -103,23 +103,23 @@ gpu-check: venv
 	sees no CUDA device, so there is nothing to check here (on a CPU machine: make test)")'
 	@status=0; \
 	timeout 200 $(PY) -m pytest -q -p no:cacheprovider $(GPU_TESTS) || status=1; \
-	timeout 100 $(PY) -m kernels.bench --acceptance --repeats 10 || status=1; \
+	timeout 100 $(PY) -m benchmarks.kernels --acceptance --repeats 10 || status=1; \
 	if [ $$status = 0 ]; then echo "make gpu-check: PASS"; else echo "make gpu-check: FAIL (see above)"; fi; exit $$status
 
 # Multi-LoRA throughput table (docs/lora.md): CPU (one thread: steadier on a shared machine), small-llama;
 # the GPU line prints why it skips where there is no GPU.
 bench-lora: venv
-	$(PY) -m engine_core.lora.bench --model small-llama --num-requests 32 --input-len 8:64 --output-len 8:32 --threads 1 \
+	$(PY) -m benchmarks.lora --model small-llama --num-requests 32 --input-len 8:64 --output-len 8:32 --threads 1 \
 		--repeats 2
 
 bench-lora-gpu: venv
-	$(PY) -m engine_core.lora.bench --device cuda --model qwen3-0.6b-shape --num-requests 256 \
+	$(PY) -m benchmarks.lora --device cuda --model qwen3-0.6b-shape --num-requests 256 \
 		--input-len 64:512 --output-len 64:256
 
 # The fp8 KV accuracy table of docs/fp8_kv_cache.md: the tiny presets and an outlier-head variant, 256 prompts x 64
 # greedy tokens, every fp8 format and scale mode against the fp32 KV cache (about 2 min on 2 CPU cores).
 fp8-accuracy: venv
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m engine_core.fp8_accuracy --presets tiny-llama,tiny-llama3,tiny-qwen2,tiny-qwen3 \
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.fp8_accuracy --presets tiny-llama,tiny-llama3,tiny-qwen2,tiny-qwen3 \
 		--outlier tiny-llama --num-prompts 256 --output-len 64 --seed 0 $(ACCURACY_ARGS)
 
 clean:

@@ -1,1 +1,3 @@
-"""Benchmarks run against a live server or engine (python -m benchmarks.NAME)."""
+"""Measurement programs (`make bench`, `bench-vllm`, `bench-lora`, `bench-kernels`, `fp8-accuracy`;
+`serve`: load on an OpenAI-compatible server), run as `python -m benchmarks.NAME` from the repository
+root; the shared workload is `benchmarks.workload`."""

@@ -11,7 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("labs", help="regenerate labs/ from solutions/ (nbgrader generate_assignment)")
     batch = sub.add_parser("batch", help="grade a folder of submissions, each in its own process")
-    from grader.batch import add_arguments
+    from grader.batch.grade import add_arguments
 
     add_arguments(batch)
     args = parser.parse_args(argv)
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
 
         regenerate()
         return 0
-    from grader.batch import run_batch_cli
+    from grader.batch.grade import run_batch_cli
 
     return run_batch_cli(args)
 

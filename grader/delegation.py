@@ -9,7 +9,7 @@ learner's own process (self-grading: `pytest labs/NN`, `grader.check`):
 - reading or exec-ing the engine's source, rebuilding a function from its `__code__`: the graded
   cells' source is scanned for those tools (`scan_source`);
 - everything else (a learner who copies the source file's text by hand into a string ...): only
-  batch grading catches it, whose kit has the lab's seam bodies removed (grader/kit.py).
+  batch grading catches it, whose kit has the lab's seam bodies removed (grader/batch/kit.py).
 
 Anything here can be undone by code in the same process; batch grading does not rely on it.
 """

@@ -351,16 +351,30 @@ def lab_settings(max_examples: int) -> settings:
 
 
 UNUSED_V = 1e4  # V in cache rows no sequence owns (their K is 0, a score of 0): reading one wrecks the output
+FP8 = torch.float8_e4m3fn
 
 
-def make_paged_batch(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                     dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
-    """Query and caches for `seq_lens`, as `paged_attention_decode`'s keyword arguments, on the GPU when there is
-    one (the kernel labs' tests run there compiled, and under the Triton interpreter otherwise). Physical blocks are
-    handed out shuffled (reading block `t // block_size` without the table reads another sequence's K/V),
-    rows no sequence owns hold K = 0 and V = UNUSED_V (any weight on one shows), and the table has a spare
-    column padded with 0 as the engine pads it."""
-    gen = torch.Generator().manual_seed(seed)
+@dataclass
+class PagedKV:
+    """A paged KV cache with its block tables, as the kernels take them."""
+
+    key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks + 1], padded with 0 as the engine pads
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    k_scale: float | torch.Tensor = 1.0  # a float, or one per KV head ([num_kv_heads], on the cache's device)
+    v_scale: float | torch.Tensor = 1.0
+
+
+def make_paged_kv(gen: torch.Generator, seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
+                  dtype: torch.dtype, device: torch.device | str, fp8: bool = False, fp8_dtype: torch.dtype = FP8,
+                  per_head_scales: bool = False) -> PagedKV:
+    """The one paged-batch builder of the kernel tests and labs. Physical blocks are handed out shuffled
+    (reading block `t // block_size` without the table reads another sequence's K/V), rows no sequence owns
+    hold K = 0 and V = UNUSED_V (any weight on one shows), and the table has a spare column padded with 0
+    as the engine pads it. fp8: codes of `fp8_dtype` written with torch's own cast; `per_head_scales`: KV
+    head h's values are 4^h times larger and its scales too, so a kernel that reads the wrong head's scale
+    is off by 4x or more."""
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 2
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -377,11 +391,40 @@ def make_paged_batch(seq_lens: list[int], num_heads: int, num_kv_heads: int, hea
         owned[slots.flatten()[:n]] = True
     key.view(-1, num_kv_heads, head_dim)[~owned] = 0.0
     value.view(-1, num_kv_heads, head_dim)[~owned] = UNUSED_V
-    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen, dtype=torch.float64)
+    k_scale: float | torch.Tensor = 1.0
+    v_scale: float | torch.Tensor = 1.0
+    if fp8:
+        k_scale, v_scale = 0.05, 0.03  # e4m3 codes up to 448: randn / scale stays well inside
+        if per_head_scales:
+            head_gain = 4.0 ** torch.arange(num_kv_heads, dtype=torch.float64)[:, None]  # [H_kv, 1]
+            key, value = key * head_gain, value * head_gain
+            k_scale, v_scale = k_scale * head_gain[:, 0].float(), v_scale * head_gain[:, 0].float()
+        limit = torch.finfo(fp8_dtype).max
+        key = (key / _per_head(k_scale)).clamp(-limit, limit)
+        value = (value / _per_head(v_scale)).clamp(-limit, limit)
+        dtype = fp8_dtype
+        if per_head_scales:
+            k_scale, v_scale = k_scale.to(device), v_scale.to(device)
+    return PagedKV(key.to(dtype).to(device), value.to(dtype).to(device), tables.to(device),
+                   torch.tensor(seq_lens, dtype=torch.int32, device=device), k_scale, v_scale)
+
+
+def _per_head(scale: float | torch.Tensor) -> float | torch.Tensor:
+    """A per-head scale `[H_kv]` as `[H_kv, 1]` (float64), to broadcast over `[..., H_kv, D]`."""
+    return scale.double().cpu()[:, None] if isinstance(scale, torch.Tensor) else scale
+
+
+def make_paged_batch(seq_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                     dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
+    """Query and caches for `seq_lens` (make_paged_kv), as `paged_attention_decode`'s keyword arguments, on the
+    GPU when there is one (the kernel labs' tests run there compiled, and under the Triton interpreter
+    otherwise)."""
+    gen = torch.Generator().manual_seed(seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return dict(query=query.to(dtype).to(device), key_cache=key.to(dtype).to(device),
-                value_cache=value.to(dtype).to(device), block_tables=tables.to(device),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device))
+    kv = make_paged_kv(gen, seq_lens, num_kv_heads, head_dim, block_size, dtype, device)
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen, dtype=torch.float64)
+    return dict(query=query.to(dtype).to(device), key_cache=kv.key_cache, value_cache=kv.value_cache,
+                block_tables=kv.block_tables, seq_lens=kv.seq_lens)
 
 
 class CountLaunches:

@@ -10,9 +10,9 @@ the expected and the got value (both normalized to plain data, shown as Python l
 Recording (batch grading and its trusted reference run; grader/plugin.py installs a `Recorder`
 per run and marks each test's start and end): each call also appends an observation of the
 *actual* value, normalized to JSON at once (a later mutation cannot change it), to the test's
-log. The grading kit (grader/kit.py) replaces every expected argument and message with `...`,
+log. The grading kit (grader/batch/kit.py) replaces every expected argument and message with `...`,
 never evaluated: then nothing is compared in the learner's process, only recorded, and the
-trusted parent compares the log with the reference run's (grader/compare.py).
+trusted parent compares the log with the reference run's (grader/batch/compare.py).
 """
 from __future__ import annotations
 

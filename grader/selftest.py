@@ -231,9 +231,9 @@ def batch_results(lab: str, solution: Path, scratch: Path, solution_results: lis
     verifiable" there), against this process's solution run; [] for an unconverted lab. (Delegation in
     batch grading needs no run per lab: tests/test_grader_kit.py checks that each lab's kit holds no body
     of its seams and helpers, and tests/adversarial grades a delegating submission.)"""
-    from grader.batch import Limits, Reference, grade_all
-    from grader.compare import read_log
-    from grader.kit import comparisons_left
+    from grader.batch.grade import Limits, Reference, grade_all
+    from grader.batch.compare import read_log
+    from grader.batch.kit import comparisons_left
 
     if comparisons_left(tests_path(lab).read_text()):
         return []

@@ -1,7 +1,7 @@
-"""docs/architecture.md stays true to the code: every engine module is on its map, the import graph of
-engine_core, kernels and grader has no cycle, and imports point down the layers the map draws (imports
-inside functions and under TYPE_CHECKING count too: a back import hidden there is still one in the
-design)."""
+"""docs/architecture.md stays true to the code: every engine, benchmark and example module is on its map,
+the import graph of engine_core, kernels, grader, benchmarks and examples has no cycle, and imports point
+down the layers the map draws, the tools at the top (imports inside functions and under TYPE_CHECKING count
+too: a back import hidden there is still one in the design)."""
 from __future__ import annotations
 
 import ast
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("engine_core", "kernels", "grader")
+PACKAGES = ("engine_core", "kernels", "grader", "benchmarks", "examples")
+TOOLS = ("benchmarks", "examples")  # measurement and demo programs: above everything, imported by nothing
 
 
 def module_name(path: Path) -> str:
@@ -91,6 +92,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine_core.entrypoints", "engine_core.calibrate"),
     ("engine_core",),  # the package's facade (engine_core/__init__.py)
     ("grader",),
+    TOOLS,  # nothing below imports them (so they stay out of the grading kit too)
 )
 # Within a layer: core and models know nothing of each other, and core picks no kernel.
 FORBIDDEN = (("engine_core.core", "engine_core.models"), ("engine_core.models", "engine_core.core"),
@@ -137,6 +139,7 @@ def test_imports_point_down_the_layers():
     ("engine_core.core.scheduler", "engine_core.models.attention"),  # core into its sibling
     ("engine_core.core.scheduler_output", "kernels.fp8"),  # core picking a kernel
     ("kernels.reference", "engine_core.request"),  # the ops library importing the engine
+    ("grader.harness", "benchmarks.workload"),  # the grader (and its kit) reaching for a tool
 ])
 def test_the_layering_check_fails_on_a_planted_back_import(src, dst):
     graph = import_graph()
@@ -147,9 +150,9 @@ def test_the_layering_check_fails_on_a_planted_back_import(src, dst):
 
 def test_every_engine_module_is_on_the_architecture_map():
     doc = (ROOT / "docs" / "architecture.md").read_text()
-    missing = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "engine_core").rglob("*.py"))
+    missing = [str(p.relative_to(ROOT)) for pkg in ("engine_core", *TOOLS) for p in sorted((ROOT / pkg).rglob("*.py"))
                if p.name != "__init__.py" and f"`{p.relative_to(ROOT)}`" not in doc
-               and f"`{p.relative_to(ROOT / 'engine_core')}`" not in doc and f"`{p.name}`" not in doc]
+               and f"`{p.relative_to(ROOT / pkg)}`" not in doc and f"`{p.name}`" not in doc]
     assert not missing, f"docs/architecture.md does not list {missing}"
 
 

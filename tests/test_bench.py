@@ -1,12 +1,17 @@
-"""engine_core.bench: a small smoke run, and the baseline's rules (left padding, per-request cut)."""
+"""benchmarks.throughput and its workload (benchmarks.workload): a small smoke run, the baseline's rules (left
+padding, per-request cut); the demo (examples.continuous_batching) runs."""
 from __future__ import annotations
+
+import argparse
 
 import pytest
 import torch
 import transformers
 
 from engine_core import LLMEngine
-from engine_core.bench import agreement, main, make_workload, parse_range, run_engine, run_hf
+from benchmarks.throughput import main, run_hf
+from benchmarks.workload import (add_workload_args, make_prompts, make_workload, parse_range, run_engine, token_agreement,
+                                 workload_from_args)
 from engine_core.presets import preset_path
 
 
@@ -24,6 +29,18 @@ def test_workload_is_reproducible_and_in_range():
     assert all(2 <= n <= 5 for n in a.output_lens) and a.num_output_tokens == sum(a.output_lens)
 
 
+def test_every_benchmark_draws_the_same_prompts_from_the_same_flags():
+    """fp8_accuracy's prompts (make_prompts) are the throughput workload's for the same seed and lengths, and
+    the shared flags give the workload they describe; a bad --num-requests is refused by name."""
+    assert make_prompts(7, (3, 9), 512, seed=4) == make_workload(7, (3, 9), (1, 50), 512, seed=4).prompts
+    ap = argparse.ArgumentParser()
+    add_workload_args(ap)
+    a = ap.parse_args(["--num-requests", "5", "--input-len", "2:6", "--output-len", "3", "--seed", "9"])
+    assert workload_from_args(a, 100) == make_workload(5, (2, 6), (3, 3), 100, seed=9)
+    with pytest.raises(ValueError, match="--num-requests must be >= 1, got 0"):
+        workload_from_args(ap.parse_args(["--num-requests", "0"]), 100)
+
+
 def test_hf_baseline_and_engine_agree_token_for_token():
     """Left-padded static batches, each output cut to its own length, give the engine's greedy tokens."""
     w = make_workload(6, (2, 30), (1, 7), 512, seed=3)
@@ -32,11 +49,11 @@ def test_hf_baseline_and_engine_agree_token_for_token():
     hf = transformers.AutoModelForCausalLM.from_pretrained(preset_path("tiny-llama"), dtype=torch.float32).eval()
     hf_out = run_hf(hf, w, batch_size=4, pad_id=0)
     assert [len(o) for o in hf_out] == w.output_lens == [len(o) for o in engine_out]
-    assert agreement(engine_out, hf_out) == 1.0, (engine_out, hf_out)
+    assert token_agreement(engine_out, hf_out) == 1.0, (engine_out, hf_out)
 
 
 def test_agreement_counts_up_to_the_first_difference():
-    assert agreement([[1, 2, 3, 4]], [[1, 2, 9, 4]]) == 0.5
+    assert token_agreement([[1, 2, 3, 4]], [[1, 2, 9, 4]]) == 0.5
 
 
 def test_smoke_run_prints_both_sides_and_the_ratio(capsys):
@@ -49,10 +66,10 @@ def test_smoke_run_prints_both_sides_and_the_ratio(capsys):
 
 
 def test_demo_prints_the_metrics_table_and_writes_the_plot(tmp_path, capsys):
-    from engine_core import demo
+    from examples import continuous_batching
 
     out = tmp_path / "demo.png"
-    demo.main(["--num-requests", "8", "--num-gpu-blocks", "40", "--out", str(out)])
+    continuous_batching.main(["--num-requests", "8", "--num-gpu-blocks", "40", "--out", str(out)])
     text = capsys.readouterr().out
     for row in ("output throughput", "TTFT p50 / p90 / p99", "TPOT p50 / p90 / p99", "KV usage mean / peak"):
         assert row in text

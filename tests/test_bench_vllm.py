@@ -1,12 +1,12 @@
-"""engine_core.bench_vllm without vLLM (the driver protocol through a stand-in driver, the report), and a
-smoke run of engine_core.profile_steps."""
+"""benchmarks.vs_vllm without vLLM (the driver protocol through a stand-in driver, the report), and a
+smoke run of benchmarks.profile_steps."""
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from engine_core.bench import Workload
-from engine_core.bench_vllm import Side, VllmProcess, report
+from benchmarks.vs_vllm import Side, VllmProcess, report
+from benchmarks.workload import Workload
 
 FAKE_DRIVER = '''
 import json, sys
@@ -45,7 +45,7 @@ def test_report_gives_medians_spreads_loads_and_agreement(capsys) -> None:
 
 
 def test_profile_steps_prints_the_split_and_the_gemm_rates(capsys) -> None:
-    from engine_core import profile_steps
+    from benchmarks import profile_steps
 
     profile_steps.main(["--model", "tiny-llama", "--num-requests", "6", "--input-len", "4:20", "--output-len", "8:12",
                         "--profile-steps", "3"])

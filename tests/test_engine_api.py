@@ -9,26 +9,13 @@ import pytest
 
 from engine_core import LLM, LLMEngine, SamplingParams
 from engine_core.presets import preset_path
+from engine_helpers import pool_is_whole, run_to_end
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 def _engine(**kw) -> LLMEngine:
     return LLMEngine.from_kwargs("tiny-llama", **{"num_gpu_blocks": 64, **kw})
-
-
-def _run(engine: LLMEngine) -> dict[str, list[int]]:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return done
-
-
-def _pool_is_whole(engine: LLMEngine) -> bool:
-    kvm = engine.scheduler.kv_cache_manager
-    return kvm.num_free_blocks == kvm.num_gpu_blocks
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -50,8 +37,8 @@ def test_bad_request_is_rejected_before_any_state_change(kwargs, match):
     assert list(engine.requests) == ["good"] and engine.scheduler.get_num_unfinished_requests() == 1
     reference = _engine()
     reference.add_request("good", [7, 8, 9], SamplingParams(max_tokens=6, **GREEDY))
-    assert _run(engine) == _run(reference)  # the good request is undisturbed
-    assert _pool_is_whole(engine)
+    assert run_to_end(engine) == run_to_end(reference)  # the good request is undisturbed
+    assert pool_is_whole(engine)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -73,7 +60,7 @@ def test_text_prompt_without_a_tokenizer(tmp_path):
         engine.add_request("t", "hello")
     assert not engine.has_unfinished_requests()
     engine.add_request("ids", [5, 6])  # token ids still work
-    out = _run(engine)
+    out = run_to_end(engine)
     assert len(out["ids"]) == 16
 
 
@@ -83,7 +70,7 @@ def test_prompt_plus_one_token_must_fit_max_model_len():
         engine.add_request("a", [5] * 32)
     engine.add_request("b", [5] * 31, SamplingParams(max_tokens=10, **GREEDY))
     engine.add_request("c", [5] * 20, SamplingParams(max_tokens=50, **GREEDY))
-    out = _run(engine)
+    out = run_to_end(engine)
     assert len(out["b"]) == 1 and len(out["c"]) == 12  # capped at max_model_len tokens in total
 
 
@@ -96,7 +83,7 @@ def test_abort_frees_blocks_running_and_waiting():
     kvm = engine.scheduler.kv_cache_manager
     assert kvm.num_free_blocks < kvm.num_gpu_blocks
     engine.abort_request("run")
-    assert _pool_is_whole(engine)
+    assert pool_is_whole(engine)
     engine.abort_request("wait")
     engine.abort_request("never-existed")  # ignored
     assert not engine.has_unfinished_requests()
@@ -110,8 +97,8 @@ def test_abort_takes_a_list_of_ids_as_in_vllm():
         engine.add_request(rid, [5, 6, 7], SamplingParams(max_tokens=4, **GREEDY))
     engine.step()
     engine.abort_request(["a", "c", "unknown"])
-    assert list(engine.requests) == ["b"] and list(_run(engine)) == ["b"]
-    assert _pool_is_whole(engine) and engine.stats()["num_finished_requests"] == 3
+    assert list(engine.requests) == ["b"] and list(run_to_end(engine)) == ["b"]
+    assert pool_is_whole(engine) and engine.stats()["num_finished_requests"] == 3
 
 
 def test_abort_mid_workload_leaves_others_intact():
@@ -120,9 +107,9 @@ def test_abort_mid_workload_leaves_others_intact():
         engine.add_request(f"r{i}", [5 + i] * (10 + 7 * i), SamplingParams(max_tokens=8, **GREEDY))
     engine.step()
     engine.abort_request("r2")
-    out = _run(engine)
+    out = run_to_end(engine)
     assert sorted(out) == ["r0", "r1", "r3"] and all(len(t) == 8 for t in out.values())
-    assert _pool_is_whole(engine)
+    assert pool_is_whole(engine)
 
 
 def test_stop_token_and_eos_list():
@@ -177,7 +164,7 @@ def test_generate_rejects_the_batch_before_queuing_any():
     llm = LLM("tiny-llama", num_gpu_blocks=64)
     with pytest.raises(ValueError, match="prompt 1: prompt must have at least 1 token"):
         llm.generate([[5, 6], [], [7]], use_tqdm=False)
-    assert not llm.engine.has_unfinished_requests() and _pool_is_whole(llm.engine)
+    assert not llm.engine.has_unfinished_requests() and pool_is_whole(llm.engine)
     with pytest.raises(ValueError, match="sampling_params must be one SamplingParams or a list of 2"):
         llm.generate([[5], [6]], [SamplingParams()], use_tqdm=False)
     assert len(llm.generate([5, 6, 7], SamplingParams(max_tokens=2), use_tqdm=False)) == 1  # one id-list prompt

@@ -1,4 +1,4 @@
-"""engine_core.fp8_accuracy on a handful of prompts: the table's invariants, and the outlier variant
+"""benchmarks.fp8_accuracy on a handful of prompts: the table's invariants, and the outlier variant
 showing what it is there to show (per-tensor scales break, per-head scales do not care)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine_core import fp8_accuracy
+from benchmarks import fp8_accuracy
 
 GAIN = 2.0**16
 

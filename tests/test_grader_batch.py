@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from grader.batch import Limits, find_notebook, grade_all, manual_cells, snapshot, write_csv, Submission
+from grader.batch.grade import Limits, find_notebook, grade_all, manual_cells, snapshot, write_csv, Submission
 from grader.labs import REPO_ROOT
-from grader.report import write_html
+from grader.batch.report import write_html
 from grader.results import Graded, TestResult
 
 SOLUTION = REPO_ROOT / "solutions" / "00_warmup" / "00_warmup.ipynb"
@@ -63,7 +63,7 @@ def test_links_and_other_names_are_never_graded(tmp_path):
 
 
 def test_snapshots_are_private_copies_made_before_any_run(tmp_path, monkeypatch):
-    import grader.batch as batch
+    import grader.batch.grade as batch
 
     a = _nb(tmp_path / "sub" / "a" / "00_warmup.ipynb")
     b = _nb(tmp_path / "sub" / "b" / "00_warmup.ipynb")
@@ -109,17 +109,31 @@ def test_without_bwrap_the_batch_refuses_and_says_how_to_install_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_unsafe_mode_still_grades(tmp_path):
-    """--unsafe-no-sandbox (trusted code only): the same judging, no sandbox."""
+def test_unsafe_mode_still_grades(tmp_path, monkeypatch):
+    """--unsafe-no-sandbox (trusted code only): the same judging, no sandbox; the reference run imports the
+    checkout, the submission's run the grading kit (PYTHONPATH), as in the sandbox."""
+    import grader.batch.grade as batch
+
+    envs, popen = [], subprocess.Popen
+
+    def recording_popen(*args, **kwargs):
+        envs.append(kwargs.get("env") or {})
+        return popen(*args, **kwargs)
+
+    monkeypatch.setattr(batch.subprocess, "Popen", recording_popen)
     _nb(tmp_path / "sub" / "ada" / "00_warmup" / "00_warmup.ipynb")
     (graded,) = grade_all(tmp_path / "sub", "00_warmup", Limits(300, 2**31), tmp_path / "out",
                           unsafe_no_sandbox=True)
     assert (graded.points, graded.max_points, graded.reason) == (5, 5, "")
+    paths = [env.get("PYTHONPATH") for env in envs]
+    assert len(paths) == 2 and paths[0] == str(REPO_ROOT), paths
+    kit = Path(paths[1])  # the batch's private kit folder (gone with the batch)
+    assert (kit.name, kit.parent.name.startswith("grader-00_warmup-")) == ("kit", True), paths
 
 
 def test_an_environment_under_tmp_is_bound_over_the_private_tmp(monkeypatch, tmp_path):
     """A checkout (and its .venv) under /tmp stays visible: the private /tmp is mounted before the binds."""
-    from grader import sandbox
+    from grader.batch import sandbox
 
     monkeypatch.setattr(sandbox, "python_dirs", lambda: ["/tmp/clone/.venv"])
     args = sandbox.command(["python"], kit=tmp_path, notebook=(tmp_path / "n.ipynb", "n.ipynb"), outputs={},

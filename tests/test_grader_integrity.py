@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from grader import integrity
+from grader.batch import integrity
 
 
 def test_edited_added_and_removed_files_are_listed(tmp_path):

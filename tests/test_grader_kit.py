@@ -1,4 +1,4 @@
-"""The grading kit (grader/kit.py): no expected value reaches the learner's process, line numbers stay,
+"""The grading kit (grader/batch/kit.py): no expected value reaches the learner's process, line numbers stay,
 and the lab's seam bodies are gone from the engine."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from grader.delegation import DelegationError
-from grader.kit import _find_function, comparisons_left, kit_files, kit_tests_source, remove_seam_bodies
+from grader.batch.kit import _find_function, comparisons_left, kit_files, kit_tests_source, remove_seam_bodies
 from grader import labs
 from grader.seams import labs_with_seams, module_of, seams_of
 

@@ -1,4 +1,4 @@
-"""Observations (grader/observe.py) and the trusted comparison of logs (grader/compare.py)."""
+"""Observations (grader/observe.py) and the trusted comparison of logs (grader/batch/compare.py)."""
 from __future__ import annotations
 
 import enum
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from grader.compare import NOT_VERIFIABLE, TestLog, compare, compare_test, read_log
+from grader.batch.compare import NOT_VERIFIABLE, TestLog, compare, compare_test, read_log
 from grader.observe import (Recorder, expect_close, expect_equal, expect_raises, normalize, same,
                             set_recorder)
 

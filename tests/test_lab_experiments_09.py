@@ -7,8 +7,7 @@ import torch
 from cpu_hog import cpu_hog
 
 from engine_core import LLM, LoRARequest, SamplingParams
-from engine_core.lora.adapter import load_adapter
-from engine_core.lora.bench import merge
+from engine_core.lora.adapter import load_adapter, merge_adapter
 from engine_core.lora.presets import adapter_path
 
 NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN, NUM_ADAPTERS = 8, 6, 4, 4
@@ -35,7 +34,7 @@ def test_merged_serving_takes_more_steps_under_a_cpu_hog():
         steps_m, tokens_m = 0, {}
         for k in range(NUM_ADAPTERS):
             rows = [i for i in range(NUM_REQUESTS) if which[i] == k]
-            merge(model, load_adapter(loras[k], base.engine.model_config.args, 16, torch.float32))
+            merge_adapter(model, load_adapter(loras[k], base.engine.model_config.args, 16, torch.float32))
             s, toks = _steps(base, [prompts[i] for i in rows], None)
             steps_m += s
             tokens_m.update(zip(rows, toks))

@@ -26,7 +26,7 @@ import pytest
 
 from grader import labs as lab_files
 from grader.delegation import VERDICT
-from grader.kit import comparisons_left
+from grader.batch.kit import comparisons_left
 from grader.labs import REPO_ROOT
 from grader.release import regenerate, solution_labs
 

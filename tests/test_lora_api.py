@@ -11,21 +11,13 @@ from safetensors.torch import load_file, save_file
 
 from engine_core import LLM, EngineConfig, LLMEngine, LoRARequest, SamplingParams
 from engine_core.lora.presets import adapter_path
+from engine_helpers import run_to_end
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 def _engine(**kw) -> LLMEngine:
     return LLMEngine.from_kwargs("tiny-llama", **{"num_gpu_blocks": 64, "enable_lora": True, "max_loras": 2, **kw})
-
-
-def _run(engine: LLMEngine) -> dict[str, list[int]]:
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return done
 
 
 def _copy(tmp_path: Path, adapter: str = "r8-attn", model: str = "tiny-llama") -> Path:
@@ -86,7 +78,7 @@ def test_bad_folder_is_rejected_before_any_state_change(tmp_path: Path, case: st
     assert set(lora.known) == {1} and set(lora.cache.adapters) == {1}
     reference = _engine()
     reference.add_request("good", [7, 8, 9], GREEDY, lora_request=LoRARequest("good", 1, str(adapter_path("tiny-llama", "r16-all"))))
-    assert _run(engine) == _run(reference)  # the good request is undisturbed
+    assert run_to_end(engine) == run_to_end(reference)  # the good request is undisturbed
 
 
 def test_rank_above_max_lora_rank_names_both(tmp_path: Path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_core.lora import bench
+from benchmarks import lora as bench
 
 
 def test_smoke_run_prints_the_table(capsys: pytest.CaptureFixture) -> None:

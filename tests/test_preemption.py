@@ -11,7 +11,6 @@ from engine_core.core.scheduler_output import SchedulerOutput
 
 def fill(sched, specs):
     """specs: (rid, prompt_len, priority, arrival). Admit and compute every prompt."""
-    kvm = sched.kv_cache_manager
     runner = FakeRunner.for_scheduler(sched)
     for rid, n, prio, arrival in specs:
         sched.add_request(make_request(rid, n, max_tokens=50, priority=prio, arrival=arrival))

@@ -9,27 +9,28 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 from grader.labs import REPO_ROOT
 from grader.seams import resolve
 
-ROOTS = ("engine_core", "kernels", "grader", "docs", "tests", "solutions", "labs", "jupyter", "benchmarks")
+ROOTS = ("engine_core", "kernels", "grader", "docs", "tests", "solutions", "labs", "jupyter", "benchmarks", "examples")
 PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*\w)" % "|".join(ROOTS))
-DOTTED = re.compile(r"`((?:engine_core|kernels|grader)(?:\.\w+)+)")
+DOTTED = re.compile(r"`((?:engine_core|kernels|grader|benchmarks|examples)(?:\.\w+)+)")
 LAB = re.compile(r"\b[Ll]abs? (\d\d)\b")
 PLACEHOLDER = re.compile(r"NN|<|\*|\{|\.\.\.")
 
 
 def texts() -> dict[str, str]:
-    """Prose and code a reader sees: notebooks (every cell), docs, README, engine and grader sources."""
+    """Prose and code a reader sees: notebooks (every cell), docs, README, engine, grader, benchmark and example
+    sources."""
     found = {}
     for nb in sorted(REPO_ROOT.glob("solutions/*/*.ipynb")):
         cells = json.loads(nb.read_text())["cells"]
         found[str(nb.relative_to(REPO_ROOT))] = "\n".join("".join(c["source"]) for c in cells)
-    for pattern in ("docs/*.md", "README.md", "engine_core/**/*.py", "kernels/**/*.py", "grader/**/*.py"):
+    for pattern in ("docs/*.md", "README.md", "engine_core/**/*.py", "kernels/**/*.py", "grader/**/*.py",
+                    "benchmarks/*.py", "examples/*.py"):
         for path in sorted(REPO_ROOT.glob(pattern)):
             found[str(path.relative_to(REPO_ROOT))] = path.read_text()
     return found

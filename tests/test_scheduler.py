@@ -17,7 +17,6 @@ def step(sched, runner):
 
 
 def runner_for(sched):
-    kvm = sched.kv_cache_manager
     return FakeRunner.for_scheduler(sched)
 
 

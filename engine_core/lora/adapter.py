@@ -12,7 +12,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,9 @@ from engine_core.models.config import LlamaArgs
 from engine_core.models.loader import check_finite, open_safetensors, read_json
 from engine_core.models.lora import FUSED_MODULES, module_shapes
 from engine_core.validation import check_int, check_real
+
+if TYPE_CHECKING:
+    from engine_core.models.llama import LlamaForCausalLM
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 TARGET_MODULES = tuple(m for mods in FUSED_MODULES.values() for m in mods)  # q_proj ... down_proj
@@ -69,6 +72,24 @@ def load_adapter(request: LoRARequest, args: LlamaArgs, max_lora_rank: int, dtyp
     weights = _read_weights(folder, where, rank, args, dtype)
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora", False) else alpha / rank
     return LoRAAdapter(request.lora_int_id, request.lora_name, folder, rank, float(scaling), weights)
+
+
+@torch.no_grad()
+def merge_adapter(model: LlamaForCausalLM, adapter: LoRAAdapter) -> None:
+    """W += scaling * B @ A for every module the adapter targets, into the model's fused weights: the
+    merged serving that unmerged batching is measured against (lab 09, `make bench-lora`)."""
+    shapes = module_shapes(model.args)
+    for i, layer in enumerate(model.layers):
+        fused = {"qkv": layer.attn.qkv_proj.weight, "o": layer.attn.o_proj.weight,
+                 "gate_up": layer.mlp.gate_up_proj.weight, "down": layer.mlp.down_proj.weight}
+        for name, modules in FUSED_MODULES.items():
+            row = 0
+            for m in modules:
+                size = shapes[m][1]
+                if (i, m) in adapter.weights:
+                    a, b = (t.to(fused[name].device) for t in adapter.weights[(i, m)])
+                    fused[name][row:row + size] += adapter.scaling * (b @ a)
+                row += size
 
 
 def _read_config(folder: Path, where: str) -> dict[str, Any]:

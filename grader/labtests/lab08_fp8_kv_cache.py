@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 
-from grader.harness import GPUS, KVAmax, memory, run_engine, save_kv_amax
+from grader.harness import KVAmax, memory, run_engine, save_kv_amax
 from grader.observe import expect_close, expect_equal, expect_raises
 from grader.plug import plug
 

@@ -576,6 +576,7 @@ def _run_e2e():
         for out in engine.step():
             if out.finished:
                 tokens[out.request_id] = list(out.outputs[0].token_ids)
+    engine.step()  # nothing left to run: its SchedulerOutput tells the runner which requests finished
     return tokens, steps, engine.runner.lora.request_lora
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from grader import sandbox
+from grader.batch import sandbox
 from grader.labs import REPO_ROOT
 
 pytestmark = [pytest.mark.slow,

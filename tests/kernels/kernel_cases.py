@@ -1,26 +1,16 @@
-"""Random paged-KV batches, a float64 attention oracle, and the error bounds the kernels must meet.
+"""Awkward lengths, a float64 attention oracle, and the error bounds the kernels must meet (the paged
+batches themselves come from the one builder, `grader.harness.make_paged_kv`).
 
 The oracle is independent of both backends: it reads each sequence's K/V through its block
 table one token at a time and does plain softmax attention in float64.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-FP8 = torch.float8_e4m3fn
+from grader.harness import PagedKV
+
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
-
-
-@dataclass
-class PagedKV:
-    key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor
-    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]; entries past a sequence's blocks are -1
-    seq_lens: torch.Tensor  # int32 [num_seqs]
-    k_scale: float | torch.Tensor = 1.0  # a float, or one per KV head ([num_kv_heads], on the cache's device)
-    v_scale: float | torch.Tensor = 1.0
 
 
 def awkward_lengths(gen: torch.Generator, count: int, block_size: int, max_len: int) -> list[int]:
@@ -29,48 +19,6 @@ def awkward_lengths(gen: torch.Generator, count: int, block_size: int, max_len: 
     lens[0] = 1
     lens[-1] = block_size * (max_len // block_size - 1) + 1 + int(torch.randint(0, block_size - 1, (1,), generator=gen))
     return lens
-
-
-def make_paged_kv(gen: torch.Generator, seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
-                  dtype: torch.dtype, device: torch.device, fp8: bool = False, fp8_dtype: torch.dtype = FP8,
-                  per_head_scales: bool = False) -> PagedKV:
-    """Caches with a few spare blocks, physical blocks handed out in a shuffled order (a wrong
-    block-table lookup reads another sequence's K/V), unused cache rows filled with huge values
-    (reading one wrecks the output), and -1 past each sequence's last block. fp8: codes of
-    `fp8_dtype` written with torch's own cast; `per_head_scales`: KV head h's values are 4^h times
-    larger and its scales too, so a kernel that reads the wrong head's scale is off by 4x or more."""
-    blocks_per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k = torch.randn(shape, generator=gen, dtype=torch.float64)
-    v = torch.randn(shape, generator=gen, dtype=torch.float64)
-    perm = torch.randperm(num_blocks, generator=gen)
-    tables = torch.full((len(seq_lens), max(blocks_per_seq)), -1, dtype=torch.int32)
-    used = torch.zeros(num_blocks * block_size, dtype=torch.bool)
-    taken = 0
-    for i, (n, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
-        tables[i, :nb] = perm[taken:taken + nb].to(torch.int32)
-        taken += nb
-        slots = tables[i, :nb].long()[:, None] * block_size + torch.arange(block_size)
-        used[slots.flatten()[:n]] = True
-    k.view(-1, num_kv_heads, head_dim)[~used] = 1e4
-    v.view(-1, num_kv_heads, head_dim)[~used] = 1e4
-    k_scale = v_scale = 1.0
-    if fp8:
-        k_scale, v_scale = 0.05, 0.03  # e4m3 codes up to 448: randn / scale stays well inside
-        if per_head_scales:
-            head_gain = 4.0 ** torch.arange(num_kv_heads, dtype=torch.float64)[:, None]  # [H_kv, 1]
-            k, v = k * head_gain, v * head_gain
-            k_scale, v_scale = k_scale * head_gain[:, 0].float(), v_scale * head_gain[:, 0].float()
-        limit = torch.finfo(fp8_dtype).max
-        k_cache = (k / _bcast(k_scale)).clamp(-limit, limit).to(fp8_dtype)
-        v_cache = (v / _bcast(v_scale)).clamp(-limit, limit).to(fp8_dtype)
-        if per_head_scales:
-            k_scale, v_scale = k_scale.to(device), v_scale.to(device)
-    else:
-        k_cache, v_cache = k.to(dtype), v.to(dtype)
-    return PagedKV(k_cache.to(device), v_cache.to(device), tables.to(device),
-                   torch.tensor(seq_lens, dtype=torch.int32, device=device), k_scale, v_scale)
 
 
 def _bcast(scale: float | torch.Tensor) -> float | torch.Tensor:

@@ -1,4 +1,4 @@
-"""kernels.bench's verdicts (the three GPU acceptance lines) and its behaviour without a GPU."""
+"""benchmarks.kernels' verdicts (the three GPU acceptance lines) and its behaviour without a GPU."""
 from __future__ import annotations
 
 import shutil
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import bench
+from benchmarks import kernels as bench
 from kernels.split_policy import choose_num_splits
 
 GB = 1.0  # every fake row moves 1 GB, so GB/s = 1e6 / triton_us
@@ -94,4 +94,4 @@ def test_gpu_check_runs_test_files_that_exist_and_the_acceptance_benchmark() -> 
     pytest_line = next(line for line in commands.splitlines() if " -m pytest " in line)
     paths = pytest_line.split("no:cacheprovider", 1)[1].split("||")[0].split()
     assert paths and all((ROOT / p).exists() for p in paths), paths
-    assert "-m kernels.bench --acceptance" in commands
+    assert "-m benchmarks.kernels --acceptance" in commands

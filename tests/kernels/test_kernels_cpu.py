@@ -1,7 +1,7 @@
 """kernels.cpu (the C kernels for CPU tensors) against the float64 oracle and the reference ops.
 
 Decode attention is checked with the same random paged batches and error bound as the Triton
-kernels (shuffled blocks, poisoned unused rows, -1 past each table), across GQA groups, block
+kernels (shuffled blocks, poisoned unused rows, tables padded with 0 as the engine pads them), across GQA groups, block
 sizes, and the work splits the kernel picks (whole sequences, or a sequence's KV heads cut into
 uneven runs when there are few sequences). The cache write is a copy, so it must match the
 reference exactly. Cases the C code does not cover must come back from the reference op.
@@ -14,8 +14,9 @@ import sys
 
 import pytest
 import torch
-from kernel_cases import assert_attention_close, awkward_lengths, make_paged_kv, max_abs_value, oracle_attention
+from kernel_cases import assert_attention_close, awkward_lengths, max_abs_value, oracle_attention
 
+from grader.harness import make_paged_kv
 from kernels import cpu, reference
 from kernels.cpu.build import build as build_library
 

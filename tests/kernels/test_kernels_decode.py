@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import (PagedKV, assert_attention_close, awkward_lengths, gather64, make_paged_kv, max_abs_value,
-                          oracle_attention)
+from kernel_cases import assert_attention_close, awkward_lengths, gather64, max_abs_value, oracle_attention
 
 import kernels
+from grader.harness import PagedKV, make_paged_kv
 from kernels import reference
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])

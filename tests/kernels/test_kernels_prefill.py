@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import assert_attention_close, make_paged_kv, max_abs_value, oracle_attention
+from kernel_cases import assert_attention_close, max_abs_value, oracle_attention
 
 import kernels
+from grader.harness import make_paged_kv
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
 HEAD_DIM, NUM_KV_HEADS = 32, 2

@@ -20,7 +20,7 @@ def _attack():
             if pid.isdigit() and int(pid) != os.getpid():
                 try:
                     cmdline = _read(f"/proc/{pid}/cmdline", "rb").read()
-                    if b"grader.child" in cmdline or b"advclass" in cmdline:
+                    if b"grader.batch.child" in cmdline or b"advclass" in cmdline:
                         os.kill(int(pid), signal.SIGKILL)
                 except OSError:
                     pass

@@ -3,17 +3,17 @@
 The pass/fail decision is made here, in the trusted parent, never in a submission's process:
 
 1. Snapshots first: each submission's notebook (nbgrader's rule picks it, see `find_notebook`) is
-   copied into the batch's private folder before anything runs; the grading kit (grader/kit.py:
+   copied into the batch's private folder before anything runs; the grading kit (grader/batch/kit.py:
    the test module with every expected value and message removed, the engine with the lab's seam
    bodies removed) is written there once, and it and the lab's tests are hashed.
-2. Once per batch, a trusted child process (grader/child.py) runs the lab's official tests on the
+2. Once per batch, a trusted child process (grader/batch/child.py) runs the lab's official tests on the
    lab's solution notebook against the real kit and records every test's observations
    (grader/observe.py): the reference log.
-3. Each submission runs in its own sandbox (grader/sandbox.py: bubblewrap, its own uid and PID
+3. Each submission runs in its own sandbox (grader/batch/sandbox.py: bubblewrap, its own uid and PID
    namespace, no network, a read-only kit and notebook, size-limited tmpfs, memory, process, file
    size and CPU limits), with a time limit per test: a test that hangs or kills the process loses
    its own points, and a new sandbox runs the tests left. It records its observations the same way.
-4. The parent compares the two logs (grader/compare.py): a test passes only if every observation
+4. The parent compares the two logs (grader/batch/compare.py): a test passes only if every observation
    matches the reference's and the test reached its end; "not verifiable" when the reference
    recorded nothing; "uses the reference implementation" when its code ran the engine's
    implementation of the piece it is graded on. Everything a submission wrote is read bounded.
@@ -40,12 +40,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from grader import integrity, sandbox
-from grader.compare import NOT_VERIFIABLE, TestLog, compare_test
+from grader.batch import integrity, sandbox
+from grader.batch.compare import NOT_VERIFIABLE, TestLog, compare_test
 from grader.delegation import is_delegation
-from grader.kit import kit_files, write_kit
+from grader.batch.kit import kit_files, write_kit
 from grader.labs import REPO_ROOT, check_lab_name, official_tests, tests_path
-from grader.report import write_html
+from grader.batch.report import write_html
 from grader.results import DELEGATED, FAILED, PASSED, SKIPPED, UNVERIFIABLE, Graded, TestResult
 
 Kit = dict[str, bytes]
@@ -198,7 +198,7 @@ def _zero(template: list[TestResult], status: str, reason: str) -> list[TestResu
 
 
 def parse_log(text: str) -> dict[str, TestLog]:
-    """The JSON-lines observation log (grader/compare.py's format); malformed lines are skipped."""
+    """The JSON-lines observation log (grader/batch/compare.py's format); malformed lines are skipped."""
     logs: dict[str, TestLog] = {}
     for line in text.splitlines():
         try:
@@ -273,7 +273,7 @@ def run_child(setup: Setup, notebook: Path, scratch: Path, tests: list[str], dea
         kit = REPO_ROOT if setup.trusted else setup.kit
         env = {**os.environ, "PYTHONPATH": str(kit), "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1",
                "OMP_NUM_THREADS": str(limits.threads)}  # the instructor's environment (caches, HOME) as it is
-        command = [sys.executable, "-m", "grader.child", *child_args, "--notebook", str(local),
+        command = [sys.executable, "-m", "grader.batch.child", *child_args, "--notebook", str(local),
                    "--log", str(files["observations.jsonl"]), "--results", str(files["outcomes.json"]),
                    "--progress", str(files["progress.txt"])]
         if not setup.trusted:
@@ -282,18 +282,18 @@ def run_child(setup: Setup, notebook: Path, scratch: Path, tests: list[str], dea
     else:
         names = {"observations.jsonl": "observations.jsonl", "outcomes.json": "outcomes.json",
                  "progress.txt": "progress.txt"}
-        inside = [sys.executable, "-m", "grader.child", *child_args, "--notebook", f"{lab}.ipynb",
+        inside = [sys.executable, "-m", "grader.batch.child", *child_args, "--notebook", f"{lab}.ipynb",
                   "--log", f"{sandbox.OUT}/observations.jsonl", "--results", f"{sandbox.OUT}/outcomes.json",
                   "--progress", f"{sandbox.OUT}/progress.txt"]
         command = sandbox.limited(_sandbox_limits(limits)) + sandbox.command(
             sandbox.drop_to(uid) + inside if uid is not None else inside, kit=setup.kit,
             notebook=(notebook, f"{lab}.ipynb"), outputs={files[n]: names[n] for n in names},
             env=_env(limits.threads, sandbox.KIT), limits=_sandbox_limits(limits))
-        cwd = None
+        cwd, env = None, None  # bwrap sets the sandbox's environment itself
     timed_out, loaded, started = "", False, []
     with open(output_path, "wb") as output:
-        proc = subprocess.Popen(command, cwd=cwd, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-                                process_group=0)
+        proc = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=output,
+                                stderr=subprocess.STDOUT, process_group=0)
         try:
             last_event, seen = time.monotonic(), 0
             while proc.poll() is None:

@@ -1,11 +1,11 @@
 """Offline throughput: the same random workload through the engine and through Hugging Face
 `generate`, in one process, same dtype, same threads.
 
-    python -m engine_core.bench --model small-llama --num-requests 64 --input-len 16:512 \
+    python -m benchmarks.throughput --model small-llama --num-requests 64 --input-len 16:512 \
         --output-len 16:256 --seed 0
 
-The baseline is what a user without an engine would write (the strongest baseline a user could reasonably write): prompts in
-arrival order, static batches of up to B, left padding, max_new_tokens = the batch's longest
+The baseline is what a user without an engine would write (the strongest baseline a user could
+reasonably write): prompts in arrival order, static batches of up to B, left padding, max_new_tokens = the batch's longest
 output, each output cut to its own length; every B in --hf-batch-sizes is tried and the best
 reported. Both sides count output tokens/s the same way: the sum of requested output lengths
 over wall time (and, as a cross-check on a shared machine, over this process's CPU time).
@@ -15,46 +15,18 @@ at the end doubles as a correctness check (left padding can flip near-ties, so i
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import torch
 
+from benchmarks.workload import (Workload, add_workload_args, run_engine, token_agreement, warm_up_workload,
+                                 workload_from_args)
 from engine_core.engine import LLMEngine
 from engine_core.presets import resolve_model
-from engine_core.request import SamplingParams
 
 T = TypeVar("T")
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def parse_range(text: str) -> tuple[int, int]:
-    """'A:B' (or 'A') -> (A, B) with 1 <= A <= B."""
-    lo, _, hi = text.partition(":")
-    a, b = int(lo), int(hi or lo)
-    if not 1 <= a <= b:
-        raise ValueError(f"a length range must be A:B with 1 <= A <= B, got {text!r}")
-    return a, b
-
-
-def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
-                  seed: int) -> Workload:
-    """Uniform lengths in the ranges, uniform token ids (the 3 special ids excluded)."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(3, vocab_size) for _ in range(rng.randint(*input_len))] for _ in range(num_requests)]
-    return Workload(prompts, [rng.randint(*output_len) for _ in range(num_requests)])
 
 
 def timed(fn: Callable[..., T], *args: Any) -> tuple[float, float, T]:
@@ -63,18 +35,6 @@ def timed(fn: Callable[..., T], *args: Any) -> tuple[float, float, T]:
     wall, cpu = time.perf_counter(), time.process_time()
     result = fn(*args)
     return time.perf_counter() - wall, time.process_time() - cpu, result
-
-
-def run_engine(engine: LLMEngine, w: Workload) -> list[list[int]]:
-    """Serve every request (all queued at t=0); the outputs in request order."""
-    for i, (p, n) in enumerate(zip(w.prompts, w.output_lens)):
-        engine.add_request(f"bench-{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-    outputs: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out.outputs[0].token_ids
-    return [outputs[f"bench-{i}"] for i in range(len(w.prompts))]
 
 
 @torch.inference_mode()
@@ -93,45 +53,31 @@ def run_hf(model: Any, w: Workload, batch_size: int, pad_id: int) -> list[list[i
     return outputs
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Fraction of output tokens equal up to each pair's first difference (greedy paths diverge after it)."""
-    same = 0
-    for x, y in zip(a, b):
-        k = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
-        same += k
-    return same / max(1, sum(len(x) for x in a))
+def load_hf(model: str, dtype: torch.dtype, warm_up: Workload) -> tuple[Any, int]:
+    """The Hugging Face model of a preset or folder, in `dtype`, run once on `warm_up`; (model, pad id)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype).eval()
+    pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
+    run_hf(hf, warm_up, 4, pad)
+    return hf, pad
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="small-llama")
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--input-len", default="16:512")
-    ap.add_argument("--output-len", default="16:256")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    add_workload_args(ap, timing=True)  # both sides run with --threads; with --repeats they alternate
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--hf-batch-sizes", default="8,16,32,64", help="comma-separated; empty: skip Hugging Face")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads for both sides (0: torch's default)")
-    ap.add_argument("--repeats", type=int, default=1, help="runs of each side, alternating; medians reported")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)  # this benchmark process only
     engine = LLMEngine.from_kwargs(a.model, max_num_seqs=a.max_num_seqs,
                                    max_num_batched_tokens=a.max_num_batched_tokens, dtype=a.dtype)
-    w = make_workload(a.num_requests, parse_range(a.input_len), parse_range(a.output_len), engine.vocab_size, a.seed)
-    warm_up = make_workload(4, (8, 32), (4, 8), engine.vocab_size, a.seed + 1)
+    w, warm_up = workload_from_args(a, engine.vocab_size), warm_up_workload(engine.vocab_size, a.seed)
     print(f"model {a.model}, {a.num_requests} requests, input {a.input_len}, output {a.output_len} "
           f"({w.num_output_tokens} output tokens), dtype {engine.config.dtype}, threads {torch.get_num_threads()}")
     sizes = [int(s) for s in a.hf_batch_sizes.split(",") if s.strip()]
-    hf, pad = None, 0
-    if sizes:
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(resolve_model(a.model), dtype=engine.config.dtype).eval()
-        pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-        run_hf(hf, warm_up, 4, pad)
+    hf, pad = load_hf(a.model, engine.config.dtype, warm_up) if sizes else (None, 0)
     run_engine(engine, warm_up)
     runs: dict[str, list[tuple[float, float]]] = {}  # side -> [(wall, cpu)] per repeat
     for r in range(a.repeats):
@@ -142,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             wall, cpu, hf_out = timed(run_hf, hf, w, bs, pad)
             runs.setdefault(f"hf{bs}", []).append((wall, cpu))
             print(f"[run {r + 1}] HF generate, batch {bs:3d} {_rate(w, wall, cpu)}  "
-                  f"(token agreement with the engine {agreement(engine_out, hf_out):.1%})")
+                  f"(token agreement with the engine {token_agreement(engine_out, hf_out):.1%})")
     med = {side: (statistics.median(x for x, _ in v), statistics.median(c for _, c in v)) for side, v in runs.items()}
     results = {"engine_tok_s": w.num_output_tokens / med["engine"][0], "engine_s": med["engine"][0]}
     print(f"median of {a.repeats}: engine {_rate(w, *med['engine'])}")

@@ -1,6 +1,6 @@
 """Where a step's time goes, and how close decode steps get to the machine's fp32 GEMM rate.
 
-    python -m engine_core.profile_steps --model small-llama --num-requests 64 --input-len 16:512 \
+    python -m benchmarks.profile_steps --model small-llama --num-requests 64 --input-len 16:512 \
         --output-len 16:256 --seed 0
 
 Runs `make bench`'s workload through the engine one step at a time. A window of decode-only
@@ -22,10 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from engine_core.bench import make_workload, parse_range
+from benchmarks.workload import add_requests, add_workload_args, workload_from_args
 from engine_core.engine import LLMEngine
 from engine_core.models.linear import Linear
-from engine_core.request import SamplingParams
 
 CATEGORIES = {  # profiler event name -> category; anything else is "other ATen ops"
     "GEMM (linear layers)": ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm"),
@@ -71,17 +70,12 @@ def gemm_rate(linears: list[Linear], rows: int, repeats: int = 20) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="small-llama")
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--input-len", default="16:512")
-    ap.add_argument("--output-len", default="16:256")
-    ap.add_argument("--seed", type=int, default=0)
+    add_workload_args(ap)
     ap.add_argument("--profile-steps", type=int, default=20, help="decode-only steps under the profiler")
     a = ap.parse_args(argv)
-    engine = LLMEngine.from_kwargs(a.model, dtype="float32")
-    w = make_workload(a.num_requests, parse_range(a.input_len), parse_range(a.output_len), engine.vocab_size, a.seed)
-    for i, (p, n) in enumerate(zip(w.prompts, w.output_lens)):
-        engine.add_request(f"p{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    engine = LLMEngine.from_kwargs(a.model, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                                   dtype="float32")
+    add_requests(engine, workload_from_args(a, engine.vocab_size))
     steps: list[tuple[float, int, int]] = []  # (wall s, tokens, sequences)
     prof, events, profiled, profiled_wall, profiled_rows = None, None, 0, 0.0, 0
     start = time.perf_counter()
@@ -122,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, r in rates.items():
         print(f"  {name}: {r:.1f} GFLOP/s")
     big = gemm_rate(linears, 2048, repeats=3)
-    print(f"  at 2048 rows (prefill chunks): " + ", ".join(f"{k} {v:.1f}" for k, v in big.items()) + " GFLOP/s")
+    print("  at 2048 rows (prefill chunks): " + ", ".join(f"{k} {v:.1f}" for k, v in big.items()) + " GFLOP/s")
     print(f"engine in decode-only steps: {engine_rate:.1f} GFLOP/s of linear-layer work over their wall time = "
           f"{100 * engine_rate / best:.0f}% of the machine's best rate at {rows} rows")
     print(f"load average {open('/proc/loadavg').read().split()[0]}")

@@ -1,4 +1,4 @@
-"""Kernel benchmark (`make bench-kernels`, `python -m kernels.bench [--json OUT] [--acceptance]`): CUDA only.
+"""Kernel benchmark (`make bench-kernels`, `python -m benchmarks.kernels [--json OUT] [--acceptance]`): CUDA only.
 
 Measures the device's ceilings first (device-to-device copy bandwidth, bf16 matmul TFLOP/s),
 then each Triton kernel next to the PyTorch reference op on the same inputs: median time,
@@ -266,7 +266,7 @@ def acceptance(rows: list[Row], copy_gbps: float) -> list[tuple[str, bool]]:
     ]
 
 
-NO_CUDA = ("kernels.bench needs a CUDA device (the Triton kernels are timed on the GPU); none is visible. "
+NO_CUDA = ("benchmarks.kernels needs a CUDA device (the Triton kernels are timed on the GPU); none is visible. "
            "On CPU the kernels are tested, not benchmarked: pytest tests/kernels")
 
 

@@ -3,9 +3,9 @@ alone, by the engine with 1 / 4 / 16 / 64 distinct adapters unmerged and batched
 popularity), and by merging each adapter into the weights and serving its requests one adapter
 at a time (merge and unmerge included); plus adapter load times, disk -> host and host -> slot.
 
-    python -m engine_core.lora.bench                      # CPU, small-llama (make bench-lora)
-    python -m engine_core.lora.bench --device cuda --model qwen3-0.6b-shape --num-requests 256 \
-        --input-len 64:512 --output-len 64:256            # GPU (make bench-lora-gpu)
+    python -m benchmarks.lora                      # CPU, small-llama (make bench-lora)
+    python -m benchmarks.lora --device cuda --model qwen3-0.6b-shape --num-requests 256 \
+        --input-len 64:512 --output-len 64:256     # GPU (make bench-lora-gpu)
 
 Every side gets the same prompts, output lengths (greedy, ignore_eos) and adapter assignment;
 output tokens/s = the sum of requested output lengths over wall time, with each side's ratio to
@@ -21,19 +21,17 @@ import random
 import statistics
 import sys
 import time
+from functools import partial
 from typing import Callable
 
 import torch
 
-from engine_core.bench import Workload, make_workload, parse_range
+from benchmarks.workload import Workload, add_requests, add_workload_args, workload_from_args
 from engine_core.engine import LLMEngine
-from engine_core.lora.adapter import LoRAAdapter, load_adapter
+from engine_core.lora.adapter import LoRAAdapter, load_adapter, merge_adapter
 from engine_core.lora.presets import adapter_path
 from engine_core.lora.request import LoRARequest
 from engine_core.models.config import ModelConfig
-from engine_core.models.llama import LlamaForCausalLM
-from engine_core.models.lora import FUSED_MODULES, module_shapes
-from engine_core.request import SamplingParams
 
 
 def zipf_assignment(num_requests: int, num_adapters: int, alpha: float, seed: int) -> list[int]:
@@ -47,30 +45,11 @@ def serve(engine: LLMEngine, w: Workload, loras: list[LoRARequest | None], tag: 
     sync = torch.cuda.synchronize if engine.config.device.type == "cuda" else (lambda: None)
     sync()
     start, cpu = time.perf_counter(), time.process_time()
-    for i, (p, n, lora) in enumerate(zip(w.prompts, w.output_lens, loras)):
-        engine.add_request(f"{tag}-{i}", p, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
-                           lora_request=lora)
+    add_requests(engine, w, tag, loras)
     while engine.has_unfinished_requests():
         engine.step()
     sync()
     return time.perf_counter() - start, time.process_time() - cpu
-
-
-@torch.no_grad()
-def merge(model: LlamaForCausalLM, adapter: LoRAAdapter) -> None:
-    """W += scaling * B @ A for every module the adapter targets, into the model's fused weights."""
-    shapes = module_shapes(model.args)
-    for i, layer in enumerate(model.layers):
-        fused = {"qkv": layer.attn.qkv_proj.weight, "o": layer.attn.o_proj.weight,
-                 "gate_up": layer.mlp.gate_up_proj.weight, "down": layer.mlp.down_proj.weight}
-        for name, modules in FUSED_MODULES.items():
-            row = 0
-            for m in modules:
-                size = shapes[m][1]
-                if (i, m) in adapter.weights:
-                    a, b = (t.to(fused[name].device) for t in adapter.weights[(i, m)])
-                    fused[name][row:row + size] += adapter.scaling * (b @ a)
-                row += size
 
 
 def serve_merged(engine: LLMEngine, w: Workload, assignment: list[int],
@@ -81,7 +60,7 @@ def serve_merged(engine: LLMEngine, w: Workload, assignment: list[int],
     start, cpu = time.perf_counter(), time.process_time()
     for k in sorted(set(assignment)):
         rows = [i for i, a in enumerate(assignment) if a == k]
-        merge(model, adapters[k])
+        merge_adapter(model, adapters[k])
         serve(engine, Workload([w.prompts[i] for i in rows], [w.output_lens[i] for i in rows]), [None] * len(rows),
               f"merged{k}")
         with torch.no_grad():
@@ -94,18 +73,12 @@ def serve_merged(engine: LLMEngine, w: Workload, assignment: list[int],
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="small-llama")
+    add_workload_args(ap, num_requests=32, input_len="8:64", output_len="8:32", timing=True)
     ap.add_argument("--adapter", default="r8-attn", help="adapter preset (engine_core.lora.presets); seeds 0..N-1")
     ap.add_argument("--num-adapters", default="1,4,16,64")
     ap.add_argument("--zipf-alpha", type=float, default=1.0)
-    ap.add_argument("--num-requests", type=int, default=32)
-    ap.add_argument("--input-len", default="8:64")
-    ap.add_argument("--output-len", default="8:32")
     ap.add_argument("--max-loras", type=int, default=64, help="cap on GPU slots (max_loras = min(adapters, this))")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=1, help="runs of every side; medians reported")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("skipped: --device cuda but this machine has no CUDA device (run it where a GPU is lent)")
@@ -114,11 +87,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.set_num_threads(a.threads)
     counts = [int(n) for n in a.num_adapters.split(",")]
     vocab_size = ModelConfig.load(a.model).args.vocab_size
-    w = make_workload(a.num_requests, parse_range(a.input_len), parse_range(a.output_len), vocab_size, a.seed)
+    w = workload_from_args(a, vocab_size)
     # KV blocks for the whole workload at once, sized explicitly: several engines share the device
     blocks = sum(-(-(len(p) + n) // 16) for p, n in zip(w.prompts, w.output_lens)) + 64
-    common = dict(device=a.device, max_num_seqs=256, max_num_batched_tokens=2048, block_size=16,
-                  num_gpu_blocks=blocks)
+    common = dict(device=a.device, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                  block_size=16, num_gpu_blocks=blocks)
     base = LLMEngine.from_kwargs(a.model, **common)
     folders = [str(adapter_path(a.model, a.adapter, seed)) for seed in range(max(counts))]
     requests = [LoRARequest(f"{a.adapter}-s{k}", k + 1, f) for k, f in enumerate(folders)]
@@ -144,8 +117,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for r in requests[:n]:
             engine.add_lora(r)
         serve(engine, w, [requests[k] for k in assignment], "warm")
-        unmerged_s = _median(a.repeats, lambda: serve(engine, w, [requests[k] for k in assignment], f"lora{n}"))
-        merged_s = _median(a.repeats, lambda: serve_merged(base, w, assignment, adapters))
+        unmerged_s = _median(a.repeats, partial(serve, engine, w, [requests[k] for k in assignment], f"lora{n}"))
+        merged_s = _median(a.repeats, partial(serve_merged, base, w, assignment, adapters))
         rows.append(dict(adapters=n, distinct=len(set(assignment)), unmerged=unmerged_s, merged=merged_s))
         print(f"{n:3d} adapters ({len(set(assignment))} used): unmerged {_rate(tokens, unmerged_s)}; "
               f"merged one at a time {_rate(tokens, merged_s)}", flush=True)

@@ -1,6 +1,6 @@
 """This engine next to vLLM's CPU build and Hugging Face `generate`, on `make bench`'s workload.
 
-    python -m engine_core.bench_vllm --vllm-python .venv-vllm/bin/python --rounds 3
+    python -m benchmarks.vs_vllm --vllm-python .venv-vllm/bin/python --rounds 3
 
 vLLM runs in its own process and virtual environment (`vllm_driver.py`, started once and kept
 warm); the engine and Hugging Face run in this process. Each round runs every side once, in an
@@ -24,7 +24,9 @@ from typing import Any, Callable
 
 import torch
 
-from engine_core.bench import Workload, agreement, make_workload, parse_range, run_engine, run_hf
+from benchmarks.throughput import load_hf, run_hf
+from benchmarks.workload import (Workload, add_workload_args, run_engine, token_agreement, warm_up_workload,
+                                 workload_from_args)
 from engine_core.engine import LLMEngine
 from engine_core.presets import resolve_model
 
@@ -86,21 +88,14 @@ def vllm_env() -> dict[str, str]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", default=".venv-vllm/bin/python")
-    ap.add_argument("--model", default="small-llama")
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--input-len", default="16:512")
-    ap.add_argument("--output-len", default="16:256")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    add_workload_args(ap)
     ap.add_argument("--hf-batch-sizes", default="32",
                     help="comma-separated; each is a side (32 is HF's best in `make bench` here); empty: skip HF")
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args(argv)
     engine = LLMEngine.from_kwargs(a.model, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                    dtype="float32")
-    w = make_workload(a.num_requests, parse_range(a.input_len), parse_range(a.output_len), engine.vocab_size, a.seed)
-    warm_up = make_workload(4, (8, 32), (4, 8), engine.vocab_size, a.seed + 1)
+    w, warm_up = workload_from_args(a, engine.vocab_size), warm_up_workload(engine.vocab_size, a.seed)
     run_engine(engine, warm_up)
     print(f"model {a.model}, {a.num_requests} requests, input {a.input_len}, output {a.output_len} "
           f"({w.num_output_tokens} output tokens), fp32, greedy, ignore_eos; torch threads {torch.get_num_threads()}, "
@@ -115,11 +110,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     sides = [Side("vLLM CPU", vllm.run), Side("engine", _timer(lambda: run_engine(engine, w)))]
     sizes = [int(s) for s in a.hf_batch_sizes.split(",") if s.strip()]
     if sizes:
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(resolve_model(a.model), dtype=torch.float32).eval()
-        pad = hf.config.pad_token_id if hf.config.pad_token_id is not None else 0
-        run_hf(hf, warm_up, 4, pad)
+        hf, pad = load_hf(a.model, torch.float32, warm_up)
         sides += [Side(f"HF generate, batch {bs}", _timer(lambda bs=bs: run_hf(hf, w, bs, pad))) for bs in sizes]
     try:
         for r in range(a.rounds):
@@ -151,7 +142,7 @@ def report(sides: list[Side], w: Workload) -> dict[str, Any]:
     """The table; the returned dict has each side's median tok/s and the agreements."""
     rates = {s.name: [w.num_output_tokens / x for x in s.walls] for s in sides}
     med = {name: statistics.median(r) for name, r in rates.items()}
-    print(f"\n| side | median output tok/s | spread (min-max) | 1-min load average at each run |\n|---|---|---|---|")
+    print("\n| side | median output tok/s | spread (min-max) | 1-min load average at each run |\n|---|---|---|---|")
     for s in sides:
         r = rates[s.name]
         print(f"| {s.name} | {med[s.name]:.1f} | {min(r):.1f}-{max(r):.1f} | {', '.join(f'{x:.2f}' for x in s.loads)} |")
@@ -159,13 +150,13 @@ def report(sides: list[Side], w: Workload) -> dict[str, Any]:
     exact = sum(x == y for x, y in zip(engine.outputs, vllm.outputs))
     print(f"\nengine / vLLM CPU: {med['engine'] / med['vLLM CPU']:.2f}x (medians)")
     print(f"greedy tokens, engine vs vLLM: {exact}/{len(w.prompts)} requests identical, "
-          f"{agreement(engine.outputs, vllm.outputs):.1%} of tokens agree up to each first difference")
+          f"{token_agreement(engine.outputs, vllm.outputs):.1%} of tokens agree up to each first difference")
     results: dict[str, Any] = {"tok_s": med, "vllm_identical_requests": exact}
     hf = sides[2:]
     if hf:
         best = max(hf, key=lambda s: med[s.name])
         print(f"engine / HF best ({best.name}): {med['engine'] / med[best.name]:.2f}x (medians); "
-              f"token agreement engine vs HF {agreement(engine.outputs, best.outputs):.1%}")
+              f"token agreement engine vs HF {token_agreement(engine.outputs, best.outputs):.1%}")
         results["hf_best"] = best.name
     return results
 

@@ -1,6 +1,6 @@
 """How much an fp8 KV cache changes a model's outputs (`make fp8-accuracy`, docs/fp8_kv_cache.md).
 
-    python -m engine_core.fp8_accuracy [--presets tiny-llama,small-llama] [--num-prompts 256] [--output-len 64]
+    python -m benchmarks.fp8_accuracy [--presets tiny-llama,small-llama] [--num-prompts 256] [--output-len 64]
 
 For each model, one fp32-KV run (`kv_cache_dtype="auto"`) is the reference, then every fp8 format
 (e4m3, e5m2) with dynamic scales (`calculate_kv_scales`), static per-tensor and static per-head
@@ -25,9 +25,9 @@ so it takes a gain near 2^16 to break it, and e5m2 (2^-16..57344, about 2^32) sh
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
-import random
 import shutil
 import sys
 import tempfile
@@ -42,11 +42,11 @@ import torch
 import torch.nn.functional as F
 
 import kernels
+from benchmarks.workload import Workload, make_prompts, run_engine, token_agreement
 from engine_core.calibrate import calibrate_kv_amax
 from engine_core.engine import LLMEngine
 from engine_core.models.attention import AttentionMetadata
 from engine_core.presets import resolve_model
-from engine_core.request import SamplingParams
 from engine_core.worker.kv_scales import save_kv_amax
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2")
@@ -71,21 +71,6 @@ class Row:
     seconds: float
 
 
-def make_prompts(num: int, lengths: tuple[int, int], vocab_size: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(*lengths))] for _ in range(num)]
-
-
-def greedy(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> list[list[int]]:
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"acc-{i}", p, params)
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    return [done[f"acc-{i}"] for i in range(len(prompts))]
-
-
 class AttentionRecorder:
     """Wraps a backend's ops to keep each layer's new K/V (the write) and its q and output (the read)."""
 
@@ -95,10 +80,10 @@ class AttentionRecorder:
 
     @contextmanager
     def recording(self) -> Iterator[None]:
-        real = kernels.attention_ops
+        real = kernels.kernel_ops
 
-        def ops(backend: str, device: torch.device) -> kernels.AttentionOps:
-            base = real(backend, device)
+        def ops(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> kernels.KernelOps:
+            base = real(backend, device, dtype)
 
             def write(key: torch.Tensor, value: torch.Tensor, *args: Any) -> None:
                 self.writes.append((key.clone(), value.clone()))
@@ -109,9 +94,9 @@ class AttentionRecorder:
                 self.reads.append((query.clone(), out.clone()))
                 return out
 
-            return kernels.AttentionOps(base.backend, write, prefill, base.paged_attention_decode)
+            return dataclasses.replace(base, reshape_and_cache=write, paged_attention=prefill)
 
-        with mock.patch.object(kernels, "attention_ops", ops):
+        with mock.patch.object(kernels, "kernel_ops", ops):
             yield
 
 
@@ -147,7 +132,7 @@ def teacher_forced(engine: LLMEngine, seqs: list[list[int]], prompt_lens: list[i
                            for i, n in enumerate(lens)])
         qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
         meta = AttentionMetadata(slots.to(device), tables.to(device), torch.tensor(lens, dtype=torch.int32).to(device),
-                                 qsl.to(device), 0, runner.config.engine.kv_cache_dtype, runner.config.attention_backend)
+                                 qsl.to(device), 0, runner.config.engine.kv_cache_dtype, runner.attention_backend)
         ids = torch.tensor([t for s in batch for t in s], device=device)
         positions = torch.cat([torch.arange(n) for n in lens]).to(device)
         recorder = AttentionRecorder()
@@ -168,8 +153,7 @@ def teacher_forced(engine: LLMEngine, seqs: list[list[int]], prompt_lens: list[i
 
 def agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[float, float]:
     """(tokens equal up to each first difference / all tokens, prompts with identical outputs / prompts)."""
-    same = sum(next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(ref, got))
-    return same / sum(map(len, ref)), sum(x == y for x, y in zip(ref, got)) / len(ref)
+    return token_agreement(ref, got), sum(x == y for x, y in zip(ref, got)) / len(ref)
 
 
 def compare_logprobs(ref: list[torch.Tensor], got: list[torch.Tensor]) -> tuple[float, float, float]:
@@ -221,7 +205,8 @@ def evaluate(model: str, label: str, a: argparse.Namespace, workdir: Path) -> li
     t0 = time.perf_counter()
     reference = LLMEngine.from_kwargs(model, **kwargs)
     prompts = make_prompts(a.num_prompts, (a.input_min, a.input_max), reference.vocab_size, a.seed)
-    ref_out = greedy(reference, prompts, a.output_len)
+    w = Workload(prompts, [a.output_len] * len(prompts))
+    ref_out = run_engine(reference, w)
     seqs = [p + o for p, o in zip(prompts, ref_out)]
     plens = [len(p) for p in prompts]
     ref_lp, _, _ = teacher_forced(reference, seqs, plens, measure_attention=False)
@@ -239,7 +224,7 @@ def evaluate(model: str, label: str, a: argparse.Namespace, workdir: Path) -> li
             kw = dict(calculate_kv_scales=True) if mode == "dynamic" else dict(
                 kv_cache_scales=str(scales_file), kv_scales_per_head=mode.endswith("per-head"))
             engine = LLMEngine.from_kwargs(model, kv_cache_dtype=fmt, **kw, **kwargs)
-            out = greedy(engine, prompts, a.output_len)
+            out = run_engine(engine, w)
             lp, max_abs, rel = teacher_forced(engine, seqs, plens, measure_attention=True)
             row = Row(label, fmt, mode, *agreement(ref_out, out), *compare_logprobs(ref_lp, lp), max_abs, rel,
                       time.perf_counter() - t0)

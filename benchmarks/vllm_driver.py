@@ -1,6 +1,6 @@
 """Runs a token-id workload through `vllm.LLM`, in vLLM's own virtual environment.
 
-Standalone on purpose (no engine_core imports): `bench_vllm.py` starts it with the vLLM venv's
+Standalone on purpose (no engine_core imports): `vs_vllm.py` starts it with the vLLM venv's
 python, sends the workload once as a JSON line on stdin, then one line per timed round; each
 round answers one JSON line on stdout (wall seconds, output token ids). Greedy, ignore_eos, no
 tokenizer (token ids in and out), as the engine's side of the benchmark.

@@ -1,8 +1,8 @@
-"""One notebook's grading process: `python -m grader.child --lab NN_name --notebook NB --log L --results R`.
+"""One notebook's grading process: `python -m grader.batch.child --lab NN_name --notebook NB --log L --results R`.
 
-Batch grading (grader/batch.py) starts it: once, trusted, on the lab's solution with the real
+Batch grading (grader/batch/grade.py) starts it: once, trusted, on the lab's solution with the real
 kit, whose log is the reference; then, untrusted, on each submission inside its sandbox
-(grader/sandbox.py) against the grading kit. It loads the notebook, then runs the lab's
+(grader/batch/sandbox.py) against the grading kit. It loads the notebook, then runs the lab's
 official tests (`--tests`: a comma-separated subset, in that order) with observations recorded
 to `--log`, and writes the tests' own outcomes (JSON) to `--results`. `--progress` receives
 "loaded" once the notebook is loaded and "start <test>" as each test starts: the parent's
@@ -34,7 +34,7 @@ class Progress:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m grader.child")
+    parser = argparse.ArgumentParser(prog="python -m grader.batch.child")
     parser.add_argument("--lab", required=True)
     parser.add_argument("--notebook", required=True)
     parser.add_argument("--log", required=True, help="observations, one JSON line per test")

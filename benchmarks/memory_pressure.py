@@ -1,6 +1,6 @@
 """Memory-pressure benchmark and cost-model numbers for docs/benchmarks_memory_pressure.md.
 
-    .venv/bin/python docs/benchmarks_memory_pressure.py [--model small-llama] [--repeats 2]
+    python -m benchmarks.memory_pressure [--model small-llama] [--repeats 2]
 
 Part 1 runs one workload four ways in one process (plenty of blocks, then too few with
 preemption by recompute, swap, auto), alternating the order per repeat, and prints the best
@@ -56,7 +56,7 @@ def run_pressure(model: str, repeats: int, num_requests: int, tight_blocks: int)
             results[k] = ([o.outputs[0].token_ids for o in outs], llm.engine.stats())
     ref = results["plenty"][0]
     n_out = sum(len(t) for t in ref)
-    print(f"CPU time is process time (all threads); the machine was shared, so wall time is noisy.")
+    print("CPU time is process time (all threads); the machine was shared, so wall time is noisy.")
     print(f"workload: {num_requests} requests, prompts 32-191 tokens, 64 output tokens each, block 16, "
           f"budget 512; tight = {tight_blocks} blocks ({tight_blocks * 16} tokens)")
     print("| run | best wall s | best CPU s | output tok/s (CPU time) | vs plenty (CPU time) | preempt recompute | preempt swap | blocks out/in "
@@ -125,14 +125,14 @@ def report_cost_model(spec_small: memory.ModelSpec) -> None:
               f"{'swap from 1 token' if n_x == 1 else n_x} | {even_bw / 1e9:.3g} |")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="small-llama")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--tight-blocks", type=int, default=32)
     ap.add_argument("--cost-model-only", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if not args.cost_model_only:
         run_pressure(args.model, args.repeats, args.num_requests, args.tight_blocks)
     report_cost_model(memory.ModelSpec.of(read_config(resolve_model("small-llama"))))
