@@ -354,4 +354,19 @@ def _sse(merged: Merged, chunk: Callable[[ChoiceEvent], Any], usage_chunk: Calla
             await merged.aclose()  # the client went away (CancelledError here) or we are done
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return _ClosingStreamingResponse(events(), merged, media_type="text/event-stream")
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes the choices however the response ends: also when the client left before the body's
+    first chunk was asked for (then the generator above never starts and its `finally` never runs)."""
+
+    def __init__(self, content: AsyncIterator[str], merged: Merged, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._merged = merged
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await asyncio.shield(self._merged.aclose())  # goes on even if this task is being cancelled
