@@ -18,7 +18,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab instructor test fuzz grade-class-bench demo bench bench-vllm bench-kernels bench-lora bench-lora-gpu fp8-accuracy gpu-check labs grade clean
+.PHONY: venv lab instructor test fuzz serve grade-class-bench demo bench bench-vllm bench-kernels bench-lora bench-lora-gpu fp8-accuracy gpu-check labs grade clean
 
 venv: $(STAMP)
 
@@ -63,6 +63,10 @@ fuzz: venv
 # sandbox (needs bubblewrap); docs/instructors.md records the time. Target: < 10 min on 2 cores.
 grade-class-bench: venv
 	OMP_WAIT_POLICY=PASSIVE $(PY) tests/adversarial/bench_lab03.py
+
+# The OpenAI-compatible server on 127.0.0.1:8000: make serve SERVE_ARGS="--model small-llama --max-num-seqs 64"
+serve: venv
+	$(PY) -m engine_core.entrypoints.openai $(SERVE_ARGS)
 
 demo: venv
 	$(PY) -m examples.continuous_batching

@@ -1,2 +1,3 @@
-"""Measurement programs (`make bench`, `bench-vllm`, `bench-lora`, `bench-kernels`, `fp8-accuracy`), run as
-`python -m benchmarks.NAME` from the repository root; the shared workload is `benchmarks.workload`."""
+"""Measurement programs (`make bench`, `bench-vllm`, `bench-lora`, `bench-kernels`, `fp8-accuracy`;
+`serve`: load on an OpenAI-compatible server), run as `python -m benchmarks.NAME` from the repository
+root; the shared workload is `benchmarks.workload`."""

@@ -1,0 +1,226 @@
+"""Load generator for an OpenAI-compatible server (in the spirit of `vllm bench serve`).
+
+    python -m benchmarks.serve --base-url http://127.0.0.1:8000 --model small-llama \\
+        --num-prompts 64 --input-len 32:256 --output-len 16:128 --request-rate 4 \\
+        --goodput ttft:500 tpot:50
+
+Requests arrive as a Poisson process at `--request-rate` per second (gamma gaps with
+`--burstiness` != 1; `inf`: all at once), at most `--max-concurrency` in flight. Each is a streamed
+/v1/completions of random token ids with `ignore_eos`, so its output length is exactly the one
+asked. Per request: TTFT (send to first streamed text), every ITL (gap between streamed chunks;
+a chunk may carry several tokens when the server merges them), TPOT ((E2E - TTFT) / (output
+tokens - 1)) and E2E. Reported: mean, P50, P90, P99 of each (numpy's linear percentiles, as vLLM),
+throughput, and goodput: requests per second that met every SLO given to `--goodput`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+SLO_METRICS = ("ttft", "tpot", "e2el")  # vLLM's --goodput keys; values in milliseconds
+
+
+@dataclass
+class RequestResult:
+    prompt_len: int
+    output_len: int = 0  # completion tokens the server reported
+    success: bool = False
+    ttft: float = 0.0  # seconds
+    itl: list[float] = field(default_factory=list)
+    e2e: float = 0.0
+    error: str = ""
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (None for a single-token output)."""
+        return (self.e2e - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """"N" or "LO:HI" (inclusive) -> (lo, hi)."""
+    lo, _, hi = text.partition(":")
+    bounds = (int(lo), int(hi or lo))
+    if bounds[0] < 1 or bounds[1] < bounds[0]:
+        raise ValueError(f"a length must be N or LO:HI with 1 <= LO <= HI, got {text!r}")
+    return bounds
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    """["ttft:500", "tpot:50"] -> {"ttft": 0.5, "tpot": 0.05} (seconds)."""
+    slos = {}
+    for item in items or []:
+        name, _, ms = item.partition(":")
+        if name not in SLO_METRICS:
+            raise ValueError(f"--goodput takes {'/'.join(SLO_METRICS)}:MS, got {item!r}")
+        value = float(ms)
+        if not value > 0:
+            raise ValueError(f"--goodput {name} must be > 0 ms, got {ms!r}")
+        slos[name] = value / 1000.0
+    return slos
+
+
+def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Send times (seconds from the start) of n requests: gamma gaps of mean 1/rate and shape
+    `burstiness` (1: Poisson arrivals; < 1 burstier); all at 0 for an infinite rate."""
+    if request_rate == float("inf"):
+        return [0.0] * n
+    rng = np.random.default_rng(seed)
+    gaps = rng.gamma(burstiness, 1.0 / (request_rate * burstiness), size=n)
+    gaps[0] = 0.0
+    return list(np.cumsum(gaps))
+
+
+def meets(result: RequestResult, slos: dict[str, float]) -> bool:
+    """A request counts for goodput only if it succeeded and met every SLO."""
+    values = {"ttft": result.ttft, "tpot": result.tpot, "e2el": result.e2e}
+    return result.success and all(values[k] is None or values[k] <= v for k, v in slos.items())
+
+
+def distribution(values: list[float]) -> dict[str, float]:
+    """mean and P50/P90/P99 in milliseconds (zeros when empty)."""
+    if not values:
+        return {"mean_ms": 0.0, **{f"p{p}_ms": 0.0 for p in PERCENTILES}}
+    ms = np.asarray(values, dtype=np.float64) * 1000.0
+    return {"mean_ms": float(ms.mean()), **{f"p{p}_ms": float(np.percentile(ms, p)) for p in PERCENTILES}}
+
+
+def summarize(results: list[RequestResult], duration_s: float, slos: dict[str, float] | None = None) -> dict[str, Any]:
+    ok = [r for r in results if r.success]
+    out_tokens = sum(r.output_len for r in ok)
+    in_tokens = sum(r.prompt_len for r in ok)
+    summary: dict[str, Any] = {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration_s,
+        "request_throughput": len(ok) / duration_s, "output_throughput": out_tokens / duration_s,
+        "total_token_throughput": (in_tokens + out_tokens) / duration_s,
+        "ttft": distribution([r.ttft for r in ok]),
+        "tpot": distribution([r.tpot for r in ok if r.tpot is not None]),
+        "itl": distribution([gap for r in ok for gap in r.itl]),
+        "e2el": distribution([r.e2e for r in ok]),
+    }
+    if slos:
+        good = sum(meets(r, slos) for r in results)
+        summary["goodput"] = good / duration_s
+        summary["slo_attainment"] = good / len(results) if results else 0.0
+    return summary
+
+
+async def send(client: Any, base_url: str, model: str, prompt: list[int], output_len: int) -> RequestResult:
+    """One streamed completion, timed on this side of the socket."""
+    result = RequestResult(prompt_len=len(prompt))
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "error")
+                    return result
+                now = time.perf_counter()
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    result.output_len = chunk["usage"]["completion_tokens"]
+        result.e2e = time.perf_counter() - start
+        result.success = result.output_len > 0
+        if not result.success:
+            result.error = "no usage chunk (the server did not report completion tokens)"
+    except Exception as e:  # a refused connection, a reset: counted as failed, the run goes on
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def run(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int], request_rate: float,
+              max_concurrency: int | None = None, burstiness: float = 1.0, seed: int = 0,
+              timeout_s: float = 600.0) -> tuple[list[RequestResult], float]:
+    """Send every prompt at its arrival time; (results in prompt order, wall seconds)."""
+    import httpx2
+
+    offsets = arrival_offsets(len(prompts), request_rate, burstiness, seed)
+    limit = asyncio.Semaphore(max_concurrency or len(prompts))
+    limits = httpx2.Limits(max_connections=max_concurrency or len(prompts))
+    async with httpx2.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(i: int) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
+            async with limit:
+                return await send(client, base_url, model, prompts[i], output_lens[i])
+
+        results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        return list(results), time.perf_counter() - start
+
+
+def synthetic_workload(n: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
+                       seed: int) -> tuple[list[list[int]], list[int]]:
+    """Random token-id prompts (ids 3.. past the specials) and output lengths, uniform in the ranges."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*input_len))] for _ in range(n)]
+    return prompts, [rng.randint(*output_len) for _ in range(n)]
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lines = [f"completed {summary['completed']}, failed {summary['failed']}, {summary['duration_s']:.2f} s",
+             f"throughput: {summary['request_throughput']:.2f} req/s, {summary['output_throughput']:.1f} output tok/s, "
+             f"{summary['total_token_throughput']:.1f} total tok/s"]
+    if "goodput" in summary:
+        lines.append(f"goodput: {summary['goodput']:.2f} req/s ({100 * summary['slo_attainment']:.1f}% met every SLO)")
+    lines.append(f"{'ms':>6} {'mean':>9} {'P50':>9} {'P90':>9} {'P99':>9}")
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        d = summary[name]
+        lines.append(f"{name:>6} {d['mean_ms']:9.2f} {d['p50_ms']:9.2f} {d['p90_ms']:9.2f} {d['p99_ms']:9.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", required=True, help="the served model name")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", default="32:128", help="N or LO:HI prompt tokens")
+    parser.add_argument("--output-len", default="16:64", help="N or LO:HI output tokens")
+    parser.add_argument("--vocab-size", type=int, default=256, help="prompt ids are drawn from [3, this)")
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="SLOs: ttft, tpot, e2el in ms")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--result-file", default=None, help="write the summary and every request as JSON")
+    args = parser.parse_args(argv)
+    slos = parse_goodput(args.goodput)
+    if not args.request_rate > 0 or not args.burstiness > 0:
+        parser.error("--request-rate and --burstiness must be > 0")
+    prompts, output_lens = synthetic_workload(args.num_prompts, parse_range(args.input_len),
+                                              parse_range(args.output_len), args.vocab_size, args.seed)
+    results, duration = asyncio.run(run(args.base_url.rstrip("/"), args.model, prompts, output_lens,
+                                        args.request_rate, args.max_concurrency, args.burstiness, args.seed))
+    summary = summarize(results, duration, slos)
+    print(format_summary(summary))
+    for r in [r for r in results if not r.success][:3]:
+        print(f"failed: {r.error}")
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump({"args": vars(args), "summary": summary, "requests": [asdict(r) for r in results]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: `python -m engine_core.entrypoints.openai --model M --port P`."""

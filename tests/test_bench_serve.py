@@ -1,0 +1,70 @@
+"""benchmarks.serve's statistics against values computed by hand (numpy's linear percentiles:
+P_q of sorted x at index q/100 * (n - 1), interpolated), and its arrival process."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks.serve import RequestResult, arrival_offsets, meets, parse_goodput, parse_range, summarize
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _results() -> list[RequestResult]:
+    return [
+        RequestResult(prompt_len=10, output_len=5, success=True, ttft=0.1, itl=[0.1] * 4, e2e=0.5),  # tpot 0.1
+        RequestResult(prompt_len=20, output_len=3, success=True, ttft=0.2, itl=[0.2] * 2, e2e=0.6),  # tpot 0.2
+        RequestResult(prompt_len=30, output_len=1, success=True, ttft=0.3, itl=[], e2e=0.3),  # no tpot
+        RequestResult(prompt_len=40, success=False, error="HTTP 503"),
+    ]
+
+
+def test_summary_by_hand():
+    s = summarize(_results(), duration_s=2.0)
+    assert (s["completed"], s["failed"]) == (3, 1)
+    assert s["request_throughput"] == pytest.approx(1.5)
+    assert s["output_throughput"] == pytest.approx(9 / 2)
+    assert s["total_token_throughput"] == pytest.approx((60 + 9) / 2)
+    # ttft [100, 200, 300] ms: P90 at index 1.8 = 200 + 0.8 * 100
+    assert s["ttft"] == pytest.approx({"mean_ms": 200, "p50_ms": 200, "p90_ms": 280, "p99_ms": 298})
+    # tpot: (500 - 100) / 4 = 100 and (600 - 200) / 2 = 200; the 1-token request has none
+    assert s["tpot"] == pytest.approx({"mean_ms": 150, "p50_ms": 150, "p90_ms": 190, "p99_ms": 199})
+    # itl [100 x4, 200 x2]: P50 at index 2.5 (both 100), P90 at 4.5 (both 200)
+    assert s["itl"] == pytest.approx({"mean_ms": 800 / 6, "p50_ms": 100, "p90_ms": 200, "p99_ms": 200})
+    # e2el sorted [300, 500, 600]
+    assert s["e2el"] == pytest.approx({"mean_ms": 1400 / 3, "p50_ms": 500, "p90_ms": 580, "p99_ms": 598})
+    assert "goodput" not in s
+
+
+def test_goodput_counts_requests_that_meet_every_slo():
+    results = _results()
+    both = parse_goodput(["ttft:250", "tpot:150"])
+    assert both == pytest.approx({"ttft": 0.25, "tpot": 0.15})
+    # r1 meets both; r2 misses tpot (200 ms); r3 misses ttft (300 ms); r4 failed
+    assert [meets(r, both) for r in results] == [True, False, False, False]
+    s = summarize(results, 2.0, both)
+    assert (s["goodput"], s["slo_attainment"]) == pytest.approx((0.5, 0.25))
+    # a 1-token request has no TPOT: a TPOT-only SLO does not hold it against it
+    assert summarize(results, 2.0, parse_goodput(["tpot:150"]))["goodput"] == pytest.approx(1.0)
+    assert summarize(results, 2.0, parse_goodput(["e2el:550"]))["goodput"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("bad", [["ttfb:100"], ["ttft:0"], ["ttft:x"]])
+def test_bad_goodput_is_refused(bad):
+    with pytest.raises(ValueError):
+        parse_goodput(bad)
+
+
+def test_ranges():
+    assert parse_range("16") == (16, 16) and parse_range("16:512") == (16, 512)
+    with pytest.raises(ValueError):
+        parse_range("9:3")
+
+
+def test_arrivals_poisson_and_bursty():
+    assert arrival_offsets(5, float("inf")) == [0.0] * 5
+    for burstiness, cv in ((1.0, 1.0), (0.25, 2.0)):  # gamma gaps: coefficient of variation 1/sqrt(shape)
+        gaps = np.diff(arrival_offsets(20000, 10.0, burstiness, seed=1))
+        assert gaps.mean() == pytest.approx(0.1, rel=0.05)
+        assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.06)
+    assert arrival_offsets(50, 10.0, seed=3) == arrival_offsets(50, 10.0, seed=3)

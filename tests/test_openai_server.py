@@ -1,0 +1,334 @@
+"""The OpenAI-compatible server, started for real (`python -m engine_core.entrypoints.openai`) on a
+free loopback port, driven by the real `openai` client.
+
+Texts are checked against `LLM.generate` greedy on the same tokens (an engine of its own), decoded
+with the model's tokenizer; errors must be OpenAI's JSON naming the parameter and leave the server
+serving; a client that leaves mid-stream must leave no request running and no KV block in use.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx2
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.serve import run, summarize, synthetic_workload
+from engine_core import LLM, SamplingParams
+from engine_core.presets import preset_path
+
+pytestmark = pytest.mark.timeout(180)
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE_ARGS = ["--device", "cpu", "--num-gpu-blocks", "128"]
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+PROMPTS = ["Hello, my name is", "The capital of France", "abc", "0123456789", "def f(x):", "Once upon"]
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """The server as a subprocess in its own session; `stop()` ends it and checks nothing is left."""
+
+    def __init__(self, model: str, *args: str, name: str = "m") -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "engine_core.entrypoints.openai", "--model", model, "--served-model-name", name,
+             "--host", "127.0.0.1", "--port", str(self.port), *ENGINE_ARGS, *args],
+            cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, f"server exited: {self.proc.stdout.read().decode()[-3000:]}"
+            try:
+                if httpx2.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx2.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server not healthy after 120 s"
+            time.sleep(0.25)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+    def metrics(self) -> dict[str, float]:
+        """Every unlabelled sample of /metrics, parsed by prometheus_client's parser."""
+        text = httpx2.get(f"{self.url}/metrics", timeout=10).text
+        return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    def wait_idle(self, timeout: float = 15.0) -> dict[str, float]:
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0 \
+                    and m["vllm:gpu_cache_usage_perc"] == 0:
+                return m
+            assert time.monotonic() < deadline, f"not idle after {timeout}s: running {m['vllm:num_requests_running']}"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        assert self.proc.returncode is not None
+        with pytest.raises(ProcessLookupError):  # nothing of its session is left
+            os.killpg(self.proc.pid, 0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """tiny-llama's folder with a chat template added (the preset has none)."""
+    folder = tmp_path_factory.mktemp("model") / "tiny-llama-chat"
+    shutil.copytree(preset_path("tiny-llama"), folder)
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv = Server(str(model_dir))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir):
+    llm = LLM(str(model_dir), device="cpu", num_gpu_blocks=128)
+    tok = llm.engine.tokenizer
+
+    def greedy(prompt: str | list[int], max_tokens: int) -> tuple[str, list[int]]:
+        ids = prompt if isinstance(prompt, list) else tok.encode(prompt)
+        out = llm.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+        return tok.decode(out.token_ids, skip_special_tokens=True), out.token_ids
+
+    greedy.tokenizer = tok
+    return greedy
+
+
+def test_models_health_and_tokenize(server, offline):
+    assert [m.id for m in server.client.models.list().data] == ["m"]
+    assert httpx2.get(f"{server.url}/health").status_code == 200
+    body = httpx2.post(f"{server.url}/tokenize", json={"prompt": "abc"}).json()
+    assert body["tokens"] == offline.tokenizer.encode("abc") and body["count"] == 3 and body["max_model_len"] == 2048
+
+
+def test_completion_matches_offline_greedy(server, offline):
+    resp = server.client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=12, **GREEDY)
+    text, ids = offline(PROMPTS[0], 12)
+    assert resp.choices[0].text == text and resp.choices[0].finish_reason == "length"
+    assert resp.usage.prompt_tokens == len(PROMPTS[0]) and resp.usage.completion_tokens == 12 == len(ids)
+    assert resp.object == "text_completion" and resp.model == "m"
+
+
+def test_streaming_with_and_without_usage(server, offline):
+    text, _ = offline(PROMPTS[1], 16)
+    for include_usage in (False, True):
+        chunks = list(server.client.completions.create(
+            model="m", prompt=PROMPTS[1], max_tokens=16, stream=True,
+            stream_options={"include_usage": include_usage} if include_usage else None, **GREEDY))
+        content = [c for c in chunks if c.choices]
+        assert "".join(c.choices[0].text for c in content) == text
+        assert content[-1].choices[0].finish_reason == "length"
+        usage = [c.usage for c in chunks if c.usage is not None]
+        if include_usage:
+            assert not chunks[-1].choices and usage == [chunks[-1].usage]
+            assert (usage[0].prompt_tokens, usage[0].completion_tokens) == (len(PROMPTS[1]), 16)
+        else:
+            assert usage == []
+
+
+def test_n_choices_and_seeded_sampling(server, offline):
+    resp = server.client.completions.create(model="m", prompt=PROMPTS[2], max_tokens=8, n=2, **GREEDY)
+    text, _ = offline(PROMPTS[2], 8)
+    assert sorted(c.index for c in resp.choices) == [0, 1] and {c.text for c in resp.choices} == {text}
+    assert resp.usage.completion_tokens == 16
+    seeded = [server.client.completions.create(model="m", prompt=PROMPTS[2], max_tokens=8, n=2, temperature=1.0,
+                                               seed=7, extra_body={"ignore_eos": True}) for _ in range(2)]
+    texts = [[c.text for c in sorted(r.choices, key=lambda c: c.index)] for r in seeded]
+    assert texts[0] == texts[1], "a seed makes every choice reproducible"
+
+
+def test_stop_strings_cut_the_text_and_count_tokens_up_to_the_stop(server, offline):
+    full, ids = offline(PROMPTS[3], 24)
+    k = next(i for i in range(3, len(full) - 2) if "\ufffd" not in full[i:i + 2])
+    stop = full[k:k + 2]
+    want = full[:full.find(stop)]
+    tok = offline.tokenizer
+    num = next(n for n in range(1, len(ids) + 1) if stop in tok.decode(ids[:n], skip_special_tokens=True))
+    resp = server.client.completions.create(model="m", prompt=PROMPTS[3], max_tokens=24, stop=[stop, "\x00never"],
+                                            **GREEDY)
+    choice = resp.choices[0]
+    assert (choice.text, choice.finish_reason, resp.usage.completion_tokens) == (want, "stop", num)
+    streamed = list(server.client.completions.create(model="m", prompt=PROMPTS[3], max_tokens=24, stop=stop,
+                                                     stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in streamed) == want, "a stream never shows the stop string"
+    server.wait_idle()
+
+
+def test_chat_uses_the_template_and_streams(server, offline):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    rendered = offline.tokenizer.apply_chat_template(messages, chat_template=TEMPLATE, tokenize=False,
+                                                     add_generation_prompt=True)
+    text, _ = offline(offline.tokenizer.encode(rendered, add_special_tokens=False), 10)
+    resp = server.client.chat.completions.create(model="m", messages=messages, max_tokens=10, **GREEDY)
+    assert resp.choices[0].message.content == text and resp.choices[0].message.role == "assistant"
+    assert resp.usage.prompt_tokens == len(rendered)
+    chunks = list(server.client.chat.completions.create(model="m", messages=messages, max_tokens=10, stream=True,
+                                                        stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(max_tokens=3000), "max_tokens"),
+    (dict(prompt="x" * 2100), "prompt"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=[10**6]), "prompt"),
+    (dict(n=0), "n"),
+    (dict(extra_body={"priority": "high"}), "priority"),
+    (dict(logprobs=2), "logprobs"),
+])
+def test_bad_input_is_a_400_naming_the_parameter_and_the_server_goes_on(server, offline, kwargs, param):
+    args = dict(model="m", prompt="hello", max_tokens=4) | kwargs
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client.completions.create(**args)
+    error = info.value.response.json()["error"]
+    assert error["param"] == param and error["code"] == 400 and error["type"] == "BadRequestError", error
+    assert error["message"]
+    text, _ = offline(PROMPTS[4], 4)
+    assert server.client.completions.create(model="m", prompt=PROMPTS[4], max_tokens=4, **GREEDY).choices[0].text == text
+
+
+def test_unknown_model_is_a_404_and_chat_on_a_bad_message_a_400(server):
+    with pytest.raises(openai.NotFoundError) as info:
+        server.client.completions.create(model="gpt-5", prompt="hi", max_tokens=2)
+    assert info.value.response.json()["error"]["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as info:
+        server.client.chat.completions.create(model="m", messages=[], max_tokens=2)
+    assert info.value.response.json()["error"]["param"] == "messages"
+
+
+def test_concurrent_clients_each_get_their_greedy_text(server, offline):
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def client(i: int) -> None:
+        try:
+            stream = i % 2 == 1
+            resp = server.client.completions.create(model="m", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=6 + i,
+                                                    stream=stream, **GREEDY)
+            results[i] = "".join(c.choices[0].text for c in resp if c.choices) if stream else resp.choices[0].text
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for i in range(8):
+        assert results[i] == offline(PROMPTS[i % len(PROMPTS)], 6 + i)[0], i
+    server.wait_idle()
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(server):
+    before = server.metrics()
+    aborted_before = before.get('vllm:request_success_total{finished_reason=abort}', 0.0)
+    stream = server.client.completions.create(model="m", prompt=PROMPTS[5], max_tokens=1500, stream=True, **GREEDY)
+    next(iter(stream))
+    m = server.metrics()
+    assert m["vllm:num_requests_running"] == 1 and m["vllm:gpu_cache_usage_perc"] > 0
+    stream.close()
+    m = server.wait_idle()
+    assert m['vllm:request_success_total{finished_reason=abort}'] == aborted_before + 1
+    generated = m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"]
+    assert generated < 1000, f"{generated} tokens: the engine request ran on after the client left"
+
+
+def test_a_client_that_leaves_a_plain_request_frees_its_blocks(server):
+    before = server.metrics()["vllm:generation_tokens_total"]
+    with pytest.raises(httpx2.TimeoutException):  # the client gives up and closes the connection
+        httpx2.post(f"{server.url}/v1/completions", timeout=httpx2.Timeout(10.0, read=1.5),
+                    json=dict(model="m", prompt=PROMPTS[5], max_tokens=1500, temperature=0.0, ignore_eos=True))
+    generated = server.wait_idle()["vllm:generation_tokens_total"] - before
+    assert 0 < generated < 1000, f"{generated} tokens: the engine request ran on after the client left"
+
+
+def test_priority_is_accepted(server, offline):
+    resp = server.client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=5,
+                                            temperature=0.0, extra_body={"ignore_eos": True, "priority": -3})
+    assert resp.choices[0].text == offline(PROMPTS[0], 5)[0]
+
+
+def test_metrics_parse_and_count_what_was_served(server):
+    server.client.completions.create(model="m", prompt="abc", max_tokens=3, **GREEDY)
+    m = server.metrics()
+    for name in ("vllm:num_requests_waiting", "vllm:prompt_tokens_total", "vllm:time_to_first_token_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:inter_token_latency_seconds_count"):
+        assert name in m, name
+    assert m["vllm:e2e_request_latency_seconds_count"] >= 1 and m["vllm:time_to_first_token_seconds_count"] >= 1
+
+
+def test_the_load_generator_against_the_server(server):
+    """benchmarks.serve end to end: every request succeeds with the asked output length, timings ordered."""
+    prompts, output_lens = synthetic_workload(6, (4, 24), (2, 12), vocab=256, seed=0)
+    results, duration = asyncio.run(run(server.url, "m", prompts, output_lens, request_rate=20.0,
+                                    max_concurrency=3))
+    assert all(r.success for r in results), [r.error for r in results]
+    assert [r.output_len for r in results] == output_lens
+    assert all(0 < r.ttft <= r.e2e <= duration for r in results)
+    assert summarize(results, duration)["completed"] == 6
+    server.wait_idle()
+
+
+def test_a_model_without_a_template_and_a_full_queue():
+    """The preset has no chat template: chat is a clear 400. One seat, one waiting place: a third
+    request is refused with a 503 while the first two are in the engine."""
+    srv = Server("tiny-llama", "--max-num-seqs", "1", "--max-waiting-requests", "1")
+    try:
+        with pytest.raises(openai.BadRequestError, match="chat template") as info:
+            srv.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert info.value.response.json()["error"]["param"] == "messages"
+        first = srv.client.completions.create(model="m", prompt="a", max_tokens=1000, stream=True, **GREEDY)
+        next(iter(first))
+        waiting: dict = {}
+        t = threading.Thread(target=lambda: waiting.setdefault("resp", srv.client.completions.create(
+            model="m", prompt="b", max_tokens=4, **GREEDY)))
+        t.start()
+        deadline = time.monotonic() + 20
+        while srv.metrics()["vllm:num_requests_waiting"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(openai.InternalServerError) as info:
+            srv.client.completions.create(model="m", prompt="c", max_tokens=4)
+        assert info.value.status_code == 503 and "max_waiting_requests=1" in info.value.response.json()["error"]["message"]
+        first.close()  # frees the seat: the waiting request runs
+        t.join(30)
+        assert waiting["resp"].choices[0].finish_reason == "length"
+        srv.wait_idle()
+    finally:
+        srv.stop()
