@@ -21,7 +21,7 @@ META = "tests/test_labs_meta.py"
 # notebooks, a sandboxed class): started first, so the other worker fills in around them. The meta
 # tests wait for the selftests, so they come last.
 FIRST = ("tests/test_grader_browser.py", "tests/test_grader_nbgrader.py", "tests/adversarial/test_adversarial_class.py",
-         "tests/test_grader_batch.py", "tests/test_grader_check_notebook.py")
+         "tests/test_grader_batch.py", "tests/test_grader_check_notebook.py", "tests/test_openai_server.py")
 _running: list[Future] = []
 
 

@@ -73,8 +73,9 @@ def test_decode_rejects_a_block_outside_the_cache() -> None:
     with pytest.raises(IndexError, match="outside the cache"):
         cpu.paged_attention_decode(torch.randn(1, 2, 16), kv.key_cache, kv.value_cache, tables, kv.seq_lens, 1.0)
     with pytest.raises(IndexError, match="more blocks than its block table row"):
+        past_the_row = torch.full_like(kv.seq_lens, kv.block_tables.shape[1] * 8 + 1)  # one token past its last column
         cpu.paged_attention_decode(torch.randn(1, 2, 16), kv.key_cache, kv.value_cache, kv.block_tables,
-                                   kv.seq_lens + 8, 1.0)
+                                   past_the_row, 1.0)
 
 
 def test_cache_write_matches_the_reference_and_skips_minus_one() -> None:
