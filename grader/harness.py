@@ -20,6 +20,8 @@ grader/seams.py), so moving an engine file is a handful of lines.
 - `lab_settings`: the hypothesis settings of every property-based lab test.
 - `make_paged_batch`, `CountLaunches`, `shape_of`: the kernel labs' paged batches, launch counts and
   result shapes (labs 06, 07, 09).
+- `CountTorchCalls`: the torch calls a function makes, so a test can tell a vectorised answer from a
+  Python loop over rows or splits by counting, not timing (labs 07, 09).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from typing import Any, Sequence
 
 import torch
 from hypothesis import HealthCheck, Phase, settings
+from torch.overrides import TorchFunctionMode
 
 from engine_core import memory
 from engine_core.config import EngineConfig, KVCacheConfig, ResolvedConfig
@@ -57,7 +60,7 @@ __all__ = ["save_kv_amax", "GPUS", "LLM", "BlockHash", "BlockPool", "EngineConfi
            # multi-LoRA (lab 09)
            "LoRAMapping", "LoRARequest", "LoRASlotPool", "LoRAStack", "adapter_path", "preset_path",
            # property tests; the kernel labs (06, 07, 09)
-           "lab_settings", "CountLaunches", "make_paged_batch", "shape_of"]
+           "lab_settings", "CountLaunches", "CountTorchCalls", "make_paged_batch", "shape_of"]
 
 # tiny-llama's shape: 2 layers x 2 KV heads x 16 dims, 512 bytes of fp32 KV per token
 TINY_SPEC = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
@@ -439,6 +442,20 @@ class CountLaunches:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.kernel, name)
+
+
+class CountTorchCalls(TorchFunctionMode):
+    """`with CountTorchCalls() as counted:` counts the torch functions, tensor methods, operators and
+    indexing called inside (`counted.calls`; the calls those make in turn are not counted). A vectorised
+    function makes as many calls for 64 rows as for 2; a Python loop over them makes more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
 
 
 def shape_of(out: Any) -> list:

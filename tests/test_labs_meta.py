@@ -193,7 +193,8 @@ ENGINE_AS_STUDENT_EXEMPT = {
                                   "test_decode_lengths_and_block_sizes", "test_decode_fp16_and_strided_query"},
     # the same: they count launches of `split_decode_kernel` and read what the launcher hands to `merge_partials`
     "07_flash_decoding": {"test_split_kernel_partials_and_lse", "test_split_kernel_1_to_16_splits",
-                          "test_split_kernel_gqa_fp16_strided", "test_split_kernel_empty_row"},
+                          "test_split_kernel_gqa_fp16_strided", "test_split_kernel_empty_row",
+                          "test_split_kernel_fp16_keeps_fp32_partials"},
 }
 
 

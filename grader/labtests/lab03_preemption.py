@@ -38,10 +38,11 @@ def _request(rid, n, priority=0, arrival=0.0, max_tokens=8):
     return make_request(rid, list(range(3, 3 + n)), max_tokens, priority=priority, arrival=arrival)
 
 
-def _running(sched, specs) -> list:
+def _running(sched, specs, blocks=None, cpu_tables=None) -> list:
     """specs: (rid, computed tokens, priority, arrival). Puts each in `running` with its KV computed in
-    ceil(n / 4) blocks, taken in order from block 0 (what admission and one forward pass would have
-    done), written directly with build_manager: no seam runs."""
+    ceil(n / 4) blocks (or `blocks[rid]`: a table allocated further, for a chunk not run yet), taken in
+    order from block 0 (what admission and one forward pass would have done), and `cpu_tables` {rid: CPU
+    block ids} held by swapped requests, written directly with build_manager: no seam runs."""
     reqs, tables, next_block = [], {}, 0
     for rid, n, priority, arrival in specs:
         req = _request(rid, n, priority, arrival)
@@ -50,10 +51,10 @@ def _running(sched, specs) -> list:
         sched.requests[rid] = req
         sched.running.append(req)
         reqs.append(req)
-        tables[rid] = list(range(next_block, next_block + -(-n // 4)))
+        tables[rid] = list(range(next_block, next_block + (blocks or {}).get(rid, -(-n // 4))))
         next_block += len(tables[rid])
     kvm = sched.kv_cache_manager
-    build_manager(kvm.num_gpu_blocks, tables, num_cpu_blocks=kvm.num_cpu_blocks, kvm=kvm)
+    build_manager(kvm.num_gpu_blocks, tables, num_cpu_blocks=kvm.num_cpu_blocks, cpu_tables=cpu_tables, kvm=kvm)
     return reqs
 
 
@@ -86,6 +87,27 @@ def test_forced_modes_and_fallbacks(student):
             got = sched.choose_preemption_mode(req)
         expect_equal(got, want, f"preemption_mode={mode!r}, {cpu} CPU blocks, {more or 'default rates'}, a request "
                                 f"with {n} computed tokens (blocks of 4): {why}")
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("choose_preemption_mode")
+def test_swap_room_counts_written_blocks_only(student):
+    """The CPU room a swap needs is the blocks holding written KV, ceil(num_computed_tokens / 4), against the CPU
+    pool's free blocks: not the whole block table (a request preempted mid-prefill holds blocks for a chunk
+    that never ran), and not the pool's size when a swapped request already holds some of it."""
+    cases = [  # (CPU blocks, of them held by a swapped request, computed tokens, blocks in the table, expected, why)
+        (2, 0, 5, 4, "swap", "5 tokens of KV in 2 blocks fit the 2 free CPU blocks; the table's other 2 blocks are "
+                             "allocated for a chunk not run yet"),
+        (4, 3, 6, 4, "recompute", "6 tokens of KV need 2 CPU blocks; a swapped request holds 3 of the 4, 1 is free"),
+        (4, 2, 6, 4, "swap", "6 tokens of KV need 2 CPU blocks, 2 of the 4 are free; the table holds 4"),
+    ]
+    for cpu, held, n, table, want, why in cases:
+        sched = _scheduler(16, cpu, preemption_mode="swap")
+        (req,) = _running(sched, [("a", n, 0, 0.0)], blocks={"a": table}, cpu_tables={"s": list(range(held))})
+        with plug(student, LAB, only=['choose_preemption_mode']):
+            got = sched.choose_preemption_mode(req)
+        expect_equal(got, want, f"preemption_mode='swap', {cpu} CPU blocks of which {held} held by a swapped request, a "
+                                f"request with {n} computed tokens holding {table} GPU blocks of 4: {why}")
 
 
 def _break_even_bandwidth(spec, n, kv_dtype, flops_per_s):

@@ -21,6 +21,13 @@ BUGS = [
     # a forced mode that consults the cost model anyway (tiny-llama at the CPU default rates prefers swap)
     PlantedBug("forced_swap_follows_the_cost_model", '    if mode == "swap":\n        return "swap"\n', ""),
     PlantedBug("forced_swap_without_cpu_room", " or not self.kv_cache_manager.can_swap_out(request)", ""),
+    # the CPU room checked against the whole block table: a request mid-prefill is refused a swap it fits
+    PlantedBug("swap_room_from_the_whole_table", " or not self.kv_cache_manager.can_swap_out(request)",
+               " or len(self.kv_cache_manager.req_to_blocks.get(request.request_id, []))"
+               " > self.kv_cache_manager.cpu_block_pool.num_free_blocks"),
+    # the CPU room checked against the pool's size: a swap is admitted into blocks another request holds
+    PlantedBug("swap_room_against_the_cpu_pool_size", " or not self.kv_cache_manager.can_swap_out(request)",
+               " or -(-n // self.kv_cache_manager.block_size) > self.kv_cache_manager.num_cpu_blocks"),
     PlantedBug("swap_out_copies_whole_table", "n = cdiv(request.num_computed_tokens, self.block_size)",
                "n = len(self.req_to_blocks.get(rid, []))"),
     # the find-the-bug task's own bug, written by the learner: the partly written last block is not copied

@@ -166,12 +166,45 @@ def test_admit_prefix_hit_starts_after_cached_tokens(student):
     expect_equal((b.num_computed_tokens, b.num_cached_tokens, kvm.get_block_ids("b")[:2] == kvm.get_block_ids("a")[:2]),
                  (8, 8, True), "after a hit of 8 tokens: (b.num_computed_tokens, b.num_cached_tokens, does b's table "
                                "start with a's 2 cached blocks?)")
+    expect_equal((len(kvm.get_block_ids("b")), kvm.num_free_blocks), (3, 64 - 3 - 1),
+                 "(b's table length, free blocks of 64): 11 tokens in blocks of 4 are 3 blocks, 2 of them a's cached "
+                 "ones, so b allocates 1 (a holds 3)")
     stats = sched.stats()
     expect_equal((stats["prefix_cache_queries"], stats["prefix_cache_hits"]), (11, 8),
                  "(prefix_cache_queries, prefix_cache_hits): queries count every token of an admitted request "
                  "(b: 11; a was set up directly), hits the cached ones")
     expect_equal(runner.execute(out).get("b"), reference_output(prompt_b, 1)[0],
                  "b's first token, computed from a's cached KV for positions 0-7 and b's chunk for 8-10")
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("_admit_waiting")
+def test_admit_prefix_hit_with_few_free_blocks(student):
+    """A prefix hit counts once: a request whose cached blocks cover most of its prompt allocates blocks for the
+    rest only, so it fits in the last free block; one that does not fit stays waiting exactly as it was (nothing
+    computed, no table, the cached blocks' references and the counters unchanged)."""
+    # 6 blocks of 4: a (18 tokens) holds 5, its first 4 (tokens 1-16) cached; 1 block free
+    sched = make_scheduler(6, enable_prefix_caching=True)
+    runner = FakeRunner(6, 4)
+    _prefilled(sched, runner, make_request("a", 18, max_tokens=2))
+    kvm = sched.kv_cache_manager
+    sched.add_request(make_request("c", list(range(1, 9)) + list(range(30, 39)), max_tokens=3))
+    out = _admit(student, sched, 16)
+    c = sched.requests["c"]
+    stats = sched.stats()
+    expect_equal((chunks_of(out), _ids(sched.waiting), c.status, c.num_computed_tokens, kvm.get_block_ids("c"),
+                  [kvm.block_pool.blocks[i].ref_cnt for i in kvm.get_block_ids("a")], kvm.num_free_blocks,
+                  stats["prefix_cache_queries"], stats["prefix_cache_hits"]),
+                 ([], ["c"], RequestStatus.WAITING, 0, [], [1, 1, 1, 1, 1], 1, 0, 0),
+                 "1 free block of 4, waiting c (17 tokens, its first 8 cached in a's blocks, so 3 more blocks needed): "
+                 "(chunks admitted, waiting ids, c's status, c.num_computed_tokens, c's table, ref_cnt of a's 5 blocks, "
+                 "free blocks, prefix_cache_queries, prefix_cache_hits)")
+    sched.waiting.clear()
+    sched.add_request(make_request("b", list(range(1, 9)) + [30, 31, 32], max_tokens=3))
+    out = _admit(student, sched, 16)
+    expect_equal((chunks_of(out), len(kvm.get_block_ids("b")), kvm.num_free_blocks), ([("b", 8, 3)], 3, 0),
+                 "then waiting b (11 tokens, its first 8 cached): 1 block beyond the 2 hits, the last free one: (chunks "
+                 "admitted, b's table length, free blocks)")
 
 
 # ---- task 3: schedule --------------------------------------------------------------------

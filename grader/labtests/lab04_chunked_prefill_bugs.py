@@ -15,6 +15,14 @@ BUGS = [
                "    if not self.chunked_prefill:\n        return remaining if remaining <= budget else 0\n"),
     PlantedBug("admission_ignores_max_num_seqs", "while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:",
                "while self.waiting and budget > 0:"),
+    # the hit set as computed before allocate_slots: hits counted twice (over-allocation), a failed admission
+    # leaves the request changed
+    PlantedBug("computed_set_before_allocating",
+               "        if num_new == 0 or kvm.allocate_slots(request, num_new, hits) is None:\n            break\n"
+               "        self.waiting.popleft()\n        request.num_computed_tokens = num_cached\n",
+               "        request.num_computed_tokens = num_cached\n"
+               "        if num_new == 0 or kvm.allocate_slots(request, num_new, hits) is None:\n            break\n"
+               "        self.waiting.popleft()\n"),
     PlantedBug("cache_hit_not_counted_as_computed", "request.num_computed_tokens = num_cached",
                "request.num_computed_tokens = 0"),
     # prefix-cache queries counted per chunk, not per request's tokens: the hit rate looks better than it is

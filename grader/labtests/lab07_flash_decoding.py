@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from grader.harness import CountLaunches, make_paged_batch, run_engine, shape_of
+from grader.harness import CountLaunches, CountTorchCalls, make_paged_batch, run_engine, shape_of
 from grader.observe import expect_close, expect_equal
 from grader.plug import plug
 
@@ -133,6 +133,27 @@ def test_merge_batched_shapes(student):
                  atol=1e-5)
 
 
+@pytest.mark.points(1)
+@pytest.mark.task("merge_partials")
+def test_merge_has_no_python_loop(student):
+    """No Python loop over splits or rows: merge_partials makes as many torch calls (functions, tensor methods,
+    operators, indexing: grader.harness.CountTorchCalls) for 64 splits of 3 x 5 rows as for 2 splits of one row.
+    A loop over the splits gives the same values, and a few extra launches per split on a GPU at every decode step."""
+    gen = torch.Generator().manual_seed(5)
+    small = (torch.randn(1, 2, 4, generator=gen), torch.randn(1, 2, generator=gen) * 4)
+    large = (torch.randn(3, 5, 64, 4, generator=gen), torch.randn(3, 5, 64, generator=gen) * 4)
+    with plug(student, LAB, only=["merge_partials"]):
+        with CountTorchCalls() as few:
+            student.merge_partials(*small)
+        with CountTorchCalls() as many:
+            got = student.merge_partials(*large)
+    expect_equal(many.calls - few.calls, 0,
+                 "torch calls of merge_partials(outputs [3, 5, 64, 4], lse [3, 5, 64]) minus those of "
+                 "merge_partials(outputs [1, 2, 4], lse [1, 2]): more splits and rows must not mean more calls")
+    expect_close(got, _merge64(*large), "merge_partials(outputs [3, 5, 64, 4], lse [3, 5, 64]) against the float64 merge",
+                 rtol=1e-5, atol=1e-5)
+
+
 # ---- task 3: the split policy (contract only) ----------------------------------------------------------
 
 SPLIT_COUNTS = (1, 2, 4, 8, 16, 32, 64)
@@ -165,13 +186,18 @@ def _policy(student, cases, **kwargs):
 def test_policy_examples(student):
     """Hand-checkable cases on an H100 (132 SMs) with 8 KV heads: at 32k tokens, 1 sequence is 8 programs and
     needs 64 splits for >= 264, 64 sequences need none; a single sequence of 255 to 1024 tokens is held back
-    by the 4-tile minimum (256 tokens per split at block_n 64); on a CPU (0 SMs) never a split."""
+    by the 4-tile minimum (256 tokens per split at block_n 64); exactly 2 programs per SM needs no more splits;
+    on a CPU (0 SMs) never a split."""
     got = _policy(student, [(n, 8, 32768, 132) for n in (1, 2, 4, 8, 16, 32, 64)])
     expect_equal(list(got.values()), [64, 32, 16, 8, 4, 2, 1],
                  "choose_num_splits(num_seqs, 8, 32768, 132) for num_seqs 1, 2, 4, 8, 16, 32, 64")
     got = _policy(student, [(1, 8, n, 132) for n in (255, 511, 512, 1000, 1024, 2048)])
     expect_equal(list(got.values()), [1, 1, 2, 2, 4, 8],
                  "choose_num_splits(1, 8, max_seq_len, 132) for max_seq_len 255, 511, 512, 1000, 1024, 2048")
+    got = _policy(student, [(33, 8, 32768, 132), (1, 8, 32768, 16), (3, 2, 4096, 12)])
+    expect_equal(list(got.values()), [1, 4, 4],
+                 "exactly 2 programs per SM is enough: choose_num_splits(33, 8, 32768, 132) (264 programs on 132 SMs "
+                 "unsplit), (1, 8, 32768, 16) (8 x 4 = 32 on 16) and (3, 2, 4096, 12) (6 x 4 = 24 on 12)")
     got = _policy(student, [(1, 8, 32768, 0), (1, 1, 131072, 0)])
     expect_equal(list(got.values()), [1, 1], "choose_num_splits(1, 8, 32768, 0) and (1, 1, 131072, 0): no SMs, a CPU")
 
@@ -488,6 +514,61 @@ def test_split_kernel_empty_row(student):
     """A seq_len-0 row (how the engine pads a decode batch to a captured CUDA-graph size): every split of it
     is empty, its output is zeros, not NaN, and its neighbours are unharmed."""
     decode_case(student, ((20, 0, 3), 2, 1, 16, 8, torch.float32, 8), 4, FP32_ATOL, what="an empty row, 4 splits: ")
+
+
+def _lse_sensitive_batch():
+    """fp16 query and caches on which fp16 partials show: 2 sequences of 2 tiles (2 splits of one tile), 4 query
+    heads on 2 KV heads of 16. Every key is its KV head's direction u plus 2 % noise and each query head a multiple
+    of u, so the logits lie between 100 and 215 and spread by about 1 within a row; V is +2 in split 0, -2 in
+    split 1, so the two splits' outputs are 4 apart and their merge weights matter."""
+    seq_lens, num_heads, num_kv_heads, head_dim, block_size = [2 * TILE, 2 * TILE - 5], 4, 2, 16, 8
+    batch = make_paged_batch(seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float64, seed=11)
+    u = torch.randn(num_kv_heads, head_dim, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    kc, vc, tables = batch["key_cache"].cpu(), batch["value_cache"].cpu(), batch["block_tables"].cpu()
+    for i, n in enumerate(seq_lens):
+        for t in range(n):
+            block, row = int(tables[i, t // block_size]), t % block_size
+            kc[block, row] = u + 0.02 * kc[block, row]
+            vc[block, row] += 2.0 if t < TILE else -2.0
+    uq = u.repeat_interleave(num_heads // num_kv_heads, 0)  # query head h's KV head direction
+    logit = torch.tensor([[100.0 + 23.7 * h + 41.3 * i for h in range(num_heads)] for i in range(len(seq_lens))],
+                         dtype=torch.float64)
+    query = logit[:, :, None] / (SCALE * (uq * uq).sum(-1))[None, :, None] * uq[None]
+    return dict(batch, query=query.half().to(DEVICE), key_cache=kc.half().to(DEVICE), value_cache=vc.half().to(DEVICE))
+
+
+def _attention64(batch):
+    """float64 decode attention of `batch` (any paged batch), all tokens of each sequence through its block table."""
+    q, kc, vc = (batch[name].cpu().double() for name in ("query", "key_cache", "value_cache"))
+    tables, block_size, group = batch["block_tables"].cpu(), kc.shape[1], q.shape[1] // kc.shape[2]
+    out = torch.zeros_like(q)
+    for i, n in enumerate(batch["seq_lens"].tolist()):
+        t = torch.arange(n)
+        blocks = tables[i, t // block_size].long()
+        k = kc[blocks, t % block_size].repeat_interleave(group, 1)
+        v = vc[blocks, t % block_size].repeat_interleave(group, 1)
+        out[i] = torch.einsum("hn,nhd->hd", torch.softmax(torch.einsum("hd,nhd->hn", q[i], k) * SCALE, -1), v)
+    return out
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("paged_attention_decode")
+def test_split_kernel_fp16_keeps_fp32_partials(student):
+    """fp16 query and caches: the partials and lse handed to merge_partials are fp32 all the same, and the output
+    is right on logits near 100-215 where fp16 partials are not. There an lse stored in fp16 is a multiple of
+    1/16 or 1/8: the two splits' merge weights move by up to 6 % and the output by up to 0.1. With fp32 partials
+    the output is off by 5e-4 (its own rounding to fp16); tolerance 4e-3 as in the other fp16 case."""
+    batch = _lse_sensitive_batch()
+    seen = []
+    got = run_decode(student, batch, 2, partials=seen)
+    expect_equal([str(t.dtype) for t in seen[0]] if seen else "merge_partials was not called",
+                 ["torch.float32", "torch.float32"],
+                 f"[dtype of the partial outputs, of the lse] handed to merge_partials; on {describe(batch, 2)}")
+    for i, n in enumerate(batch["seq_lens"].tolist()):
+        expect_close(got[i].cpu().double(), _attention64(batch)[i],
+                     f"sequence {i} (seq_len {n}, splits {split_bounds(n, 2)}, logits near {100 + 41.3 * i:g} + "
+                     f"23.7 x head, V +2 in split 0 and -2 in split 1): its output [query heads, head_dim]; on "
+                     f"{describe(batch, 2)}", atol=4e-3)
 
 
 # ---- the engine on the learner's kernel ------------------------------------------------------------

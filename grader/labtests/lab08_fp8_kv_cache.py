@@ -245,7 +245,7 @@ def _expected_cache(shape, x, slots, scale, dtype):
     return _bits(cache) if dtype in (E4M3, E5M2) else cache.tolist()
 
 
-SHAPE = (3, 2, 2, 4)  # 3 blocks of 2 slots, 2 KV heads of 4 dims
+SHAPE = (3, 3, 2, 4)  # 3 blocks of 3 slots, 2 KV heads of 4 dims: block size and head count differ, so a swap shows
 SLOTS = [5, -1, 0, 2]
 
 
@@ -263,7 +263,7 @@ def test_write_path_stores_codes_at_slots(student):
                                       torch.tensor([0.5, 2.0]), 0.25)
         expect_equal(_bits(key_cache), _expected_cache(SHAPE, key, SLOTS, torch.tensor([0.5, 2.0]), dtype),
                      f"reshape_and_cache of 4 tokens (2 heads x 4 dims) at slots {SLOTS} into a {dtype} key cache of 3 "
-                     f"blocks x 2 slots, kv_cache_dtype={name!r}, k_scale tensor([0.5, 2.0]): the key cache's bytes")
+                     f"blocks x 3 slots, kv_cache_dtype={name!r}, k_scale tensor([0.5, 2.0]): the key cache's bytes")
         expect_equal(_bits(value_cache), _expected_cache(SHAPE, value, SLOTS, 0.25, dtype),
                      f"the same write, v_scale 0.25, {dtype}: the value cache's bytes")
 

@@ -18,6 +18,9 @@ BUGS = [
     PlantedBug("per_head_flag_ignored", "x if per_head else x.amax(dim=1)", "x.amax(dim=1)"),
     # the write path
     PlantedBug("padding_rows_written", "    keep = slot_mapping >= 0\n", "    keep = slot_mapping >= -1\n"),
+    # the cache viewed as [slots, block_size, head_dim]: right only when block size equals the KV head count
+    PlantedBug("cache_view_block_size_for_heads", "num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]",
+               "num_kv_heads, head_dim = key_cache.shape[1], key_cache.shape[3]"),
     PlantedBug("v_quantized_with_k_scale", "quantize_fp8(v, v_scale, fmt)", "quantize_fp8(v, k_scale, fmt)"),
     # capacity and the prediction
     PlantedBug("capacity_kv_in_weight_dtype", "memory.kv_cache_bytes_per_token(config, kv_dtype)",

@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, seed
 from hypothesis import strategies as st
 
-from grader.harness import (CountLaunches, FakeRunner, LoRAMapping, LoRARequest, LoRASlotPool, LoRAStack, SamplingParams,
+from grader.harness import (CountLaunches, CountTorchCalls, FakeRunner, LoRAMapping, LoRARequest, LoRASlotPool, LoRAStack, SamplingParams,
                             adapter_path, lab_settings, make_engine, make_request, make_scheduler, preset_path, reference_output)
 from grader.observe import expect_close, expect_equal, expect_raises
 from grader.plug import plug
@@ -221,6 +221,32 @@ def test_add_lora_equals_merged_weights(student):
                  "x @ W.T plus add_lora, against x @ (W + scaling * B @ A).T with each row's adapter merged", atol=ATOL)
 
 
+@pytest.mark.points(1)
+@pytest.mark.task("add_lora")
+def test_add_lora_no_python_loop_over_rows(student):
+    """Rows grouped by slot, not one matmul per row: add_lora makes as many torch calls (functions, tensor methods,
+    operators, indexing: grader.harness.CountTorchCalls) for 45 decode rows and segments of 30 and 20 rows as for
+    3 decode rows and segments of 3 and 2, over the same slots. A loop over the rows gives the same values and
+    thousands of tiny matmuls per step on a GPU."""
+    stack = _stack(2, 4, 6, [5, 3], ranks=[4, 3], scalings=[0.5, 2.0], seed=7)
+    few_rows, few_segments = [0, 1, -1], [(3, 0), (2, 1)]
+    many_rows, many_segments = [0, 1, -1] * 15, [(30, 0), (20, 1)]
+    x_few, y_few = _inputs(stack, len(_rows(few_rows, few_segments)), seed=8)
+    x, y0 = _inputs(stack, len(_rows(many_rows, many_segments)), seed=9)
+    y = y0.clone()
+    with plug(student, LAB, only=["add_lora"]):
+        with CountTorchCalls() as few:
+            student.add_lora(y_few, x_few, stack, _mapping(few_rows, few_segments))
+        with CountTorchCalls() as many:
+            student.add_lora(y, x, stack, _mapping(many_rows, many_segments))
+    expect_equal(many.calls - few.calls, 0,
+                 "torch calls of add_lora on decode rows [0, 1, -1] x 15 and segments (length, slot) [(30, 0), (20, 1)] "
+                 "minus those on decode rows [0, 1, -1] and segments [(3, 0), (2, 1)]: more rows must not mean more calls")
+    expect_close(y, _oracle(y0, x, stack, _rows(many_rows, many_segments)),
+                 "2 slots (ranks 4, 3; scaling 0.5, 2), in 6 -> slices [5, 3], decode rows [0, 1, -1] x 15, segments "
+                 "[(30, 0), (20, 1)]: y after add_lora", atol=ATOL)
+
+
 def _merged(x, w, stack, slots):
     out = []
     for i, s in enumerate(slots):
@@ -289,7 +315,8 @@ SHRINK_ATOL = 1e-3
 @pytest.mark.task("bgmv_shrink")
 def test_bgmv_shrink_matches_the_oracle(student):
     """Decode rows, each with its own slot in any order, -1 rows all zeros, a rank below the
-    16-wide tile, K not a multiple of the K tile; fp32 then fp16 inputs, the output float32."""
+    16-wide tile, K not a multiple of the K tile; fp32 then fp16 inputs, the output float32. Then a rank of
+    24, above 16, every column non-zero: BLOCK_R follows the rank (32 here), never a fixed 16."""
     for dtype in (torch.float32, torch.float16):
         x, lora_a, row_slots = _shrink_case(3, 5, 70, [2, -1, 0, 0, 1, -1, 2], dtype, seed=7)
         out, _ = _run_bgmv_shrink(student, x, lora_a, row_slots)
@@ -298,6 +325,11 @@ def test_bgmv_shrink_matches_the_oracle(student):
         expect_close(out, _shrink_oracle(x, lora_a, [2, -1, 0, 0, 1, -1, 2]),
                      f"bgmv_shrink, A [3 slots, rank 5, K 70] in {dtype}, row_slots [2, -1, 0, 0, 1, -1, 2]: "
                      f"t[i] = x[i] @ A[slot].T, zeros for slot -1", atol=SHRINK_ATOL)
+    x, lora_a, row_slots = _shrink_case(2, 24, 40, [1, 0, -1, 1], torch.float32, seed=9)
+    out, _ = _run_bgmv_shrink(student, x, lora_a, row_slots)
+    expect_close(out, _shrink_oracle(x, lora_a, [1, 0, -1, 1]),
+                 "bgmv_shrink, A [2 slots, rank 24, K 40] in fp32 (no zero padding: columns 16-23 count), row_slots "
+                 "[1, 0, -1, 1]: the output [4, 24]", atol=SHRINK_ATOL)
 
 
 @pytest.mark.points(1)
@@ -391,7 +423,7 @@ def test_assign_free_slots_then_lru(student):
 @pytest.mark.task("assign")
 def test_assign_resident_adapters_cost_nothing(student):
     """A step whose adapters are all resident loads nothing and only refreshes their recency; a
-    repeated id counts once."""
+    repeated id counts once, also a missing one: it is loaded once and evicts one adapter, not two."""
     with plug(student, LAB, only=["assign"]):
         pool = _pool(4, resident=[(1, 3), (2, 0), (3, 1)], free=[2])
         loads = pool.assign([1, 1, 3], set())
@@ -399,6 +431,11 @@ def test_assign_resident_adapters_cost_nothing(student):
                       list(pool.free_slots)), ([], [2], [(1, 3), (2, 0), (3, 1)], [2]),
                      "slot_of {1: 3, 2: 0, 3: 1} (LRU first), free_slots [2]: assign([1, 1, 3], set()) -> (loads, "
                      "the adapters not in the step in LRU order, slot_of sorted, free_slots)")
+        pool = _pool(3, resident=[(1, 0), (2, 1), (3, 2)], free=[])
+        loads = pool.assign([4, 4], set())
+        expect_equal((loads, list(pool.slot_of.items()), list(pool.free_slots)), ([(4, 0)], [(2, 1), (3, 2), (4, 0)], []),
+                     "3 slots full, slot_of {1: 0, 2: 1, 3: 2} (LRU first): assign([4, 4], set()) -> (loads, slot_of items "
+                     "in LRU order, free_slots): adapter 4 is missing once, so only adapter 1 goes")
 
 
 @pytest.mark.points(2)

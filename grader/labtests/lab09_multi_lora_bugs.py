@@ -17,7 +17,15 @@ BUGS = [
     # slot -1 indexes the last slot in Python: base-model rows get that adapter's delta
     PlantedBug("base_rows_get_the_last_slot", "        if s >= 0:\n            groups.append",
                "        if True:\n            groups.append"),
+    # one matmul per decode row (a Python loop over rows): the right values, slow
+    PlantedBug("add_lora_one_matmul_per_row",
+               "    for s in sorted(set(row_slots)):\n        if s >= 0:\n"
+               "            groups.append((torch.tensor([i for i, t in enumerate(row_slots) if t == s], device=x.device), s))\n",
+               "    for i, s in enumerate(row_slots):\n        if s >= 0:\n"
+               "            groups.append((torch.tensor([i], device=x.device), s))\n"),
     # the Triton BGMV shrink
+    # the rank tile fixed at 16: ranks above 16 silently truncated
+    PlantedBug("shrink_rank_tile_fixed_at_16", "BLOCK_R=max(16, triton.next_power_of_2(rank))", "BLOCK_R=16"),
     PlantedBug("kernel_base_rows_read_slot_0", "    r_mask = (r < R) & (slot >= 0)\n", "    r_mask = r < R\n",
                more=(("        k_mask = (k < K) & (slot >= 0)\n", "        k_mask = k < K\n"),)),
     PlantedBug("kernel_k_tail_unmasked", "        k_mask = (k < K) & (slot >= 0)\n", "        k_mask = (k >= 0) & (slot >= 0)\n"),
@@ -28,6 +36,8 @@ BUGS = [
                "        for s in row_slots.unique().tolist():\n"
                "          bgmv_shrink_kernel[(num_rows,)](x, lora_a, out, torch.where(row_slots == s, row_slots, -1),"),
     # assign
+    # a repeated id in `needed` counted twice: a missing one evicts two adapters (or raises) for one load
+    PlantedBug("repeated_id_counted_twice", "step = list(dict.fromkeys(needed))", "step = list(needed)"),
     PlantedBug("evicts_pinned_adapters", "keep = set(step) | set(pinned)", "keep = set(step)"),
     PlantedBug("evicts_most_recently_used", "evictable[:num_evict]", "evictable[len(evictable) - num_evict:]"),
     PlantedBug("evicts_even_with_free_slots", "num_evict = max(0, len(missing) - len(self.free_slots))",
