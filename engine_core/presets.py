@@ -66,17 +66,28 @@ def cache_root() -> Path:
     return Path(os.environ.get("INFERENCE_LABS_CACHE", Path.home() / ".cache" / "inference-labs"))
 
 
+def preset_names() -> list[str]:
+    """Every preset name: the random ones here and the real ones (engine_core.presets_real)."""
+    from engine_core.presets_real import REAL_PRESETS
+
+    return sorted([*PRESETS, *REAL_PRESETS])
+
+
 def resolve_model(model: str | os.PathLike) -> Path:
     """A model folder (must hold config.json) or a preset name -> a local checkpoint folder."""
+    from engine_core.presets_real import REAL_PRESETS, real_preset_path
+
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model folder {str(path)!r} has no config.json; a model is a Hugging Face "
-                             f"checkpoint folder or one of the presets {sorted(PRESETS)}")
+                             f"checkpoint folder or one of the presets {preset_names()}")
         return path
     if str(model) in PRESETS:
         return preset_path(str(model))
-    raise ValueError(f"model must be an existing checkpoint folder or one of the presets {sorted(PRESETS)}, "
+    if str(model) in REAL_PRESETS:
+        return real_preset_path(str(model))
+    raise ValueError(f"model must be an existing checkpoint folder or one of the presets {preset_names()}, "
                      f"got {str(model)!r}")
 
 
