@@ -19,7 +19,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab instructor test fuzz grade-class-bench demo bench bench-vllm bench-kernels bench-lora bench-lora-gpu fp8-accuracy gpu-check labs grade clean
+.PHONY: venv lab instructor test fuzz grade-class-bench demo chat perplexity bench bench-vllm bench-kernels bench-lora bench-lora-gpu fp8-accuracy gpu-check labs grade clean
 
 venv: $(STAMP)
 
@@ -68,6 +68,10 @@ grade-class-bench: venv
 
 demo: venv
 	$(PY) -m engine_core.demo
+
+# A real model answering questions: SmolLM2-135M-Instruct (the smollm2-135m-instruct preset) through LLM.chat.
+chat: venv
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m examples.chat $(CHAT_ARGS)
 
 bench: venv
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m engine_core.bench --model small-llama --num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0
