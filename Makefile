@@ -73,6 +73,11 @@ demo: venv
 chat: venv
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m examples.chat $(CHAT_ARGS)
 
+# docs/real_model.md's table: perplexity and top-1 agreement with fp32 on the kit's own prose (docs/data/eval_text.txt),
+# fp32 / bf16 / every fp8 KV format and scale mode on smollm2-135m-instruct (about 30 min on 2 shared CPU cores).
+perplexity: venv
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.perplexity --model smollm2-135m-instruct $(PERPLEXITY_ARGS)
+
 bench: venv
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m engine_core.bench --model small-llama --num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0
 

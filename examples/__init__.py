@@ -1,0 +1,1 @@
+"""Runnable examples of the engine (`make demo`: `python -m examples.continuous_batching`)."""
