@@ -114,8 +114,9 @@ def score(engine: LLMEngine, wins: list[list[int]]) -> tuple[torch.Tensor, torch
         slots = torch.cat([tables[i].long().repeat_interleave(bs)[:n] * bs + torch.arange(n) % bs
                            for i, n in enumerate(lens)])
         qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-        meta = AttentionMetadata(slots.to(device), tables.to(device), torch.tensor(lens, dtype=torch.int32).to(device),
-                                 qsl.to(device), 0, runner.config.engine.kv_cache_dtype, runner.config.attention_backend)
+        seq_lens = torch.tensor(lens, dtype=torch.int32).to(device)
+        meta = AttentionMetadata(slots.to(device), tables.to(device), seq_lens, qsl.to(device), 0,
+                                 runner.config.engine.kv_cache_dtype, runner.config.attention_backend)
         ids = torch.tensor([t for w in batch for t in w], device=device)
         positions = torch.cat([torch.arange(n) for n in lens]).to(device)
         hidden = model(ids, positions, cache, meta)
@@ -204,7 +205,8 @@ def _choices(allowed: tuple[str, ...], name: str):
         items = [t.strip() for t in text.split(",") if t.strip()]
         bad = [t for t in items if t not in allowed]
         if bad or not items:
-            raise argparse.ArgumentTypeError(f"{name} must be a comma-separated subset of {list(allowed)}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"{name} must be a comma-separated subset of {list(allowed)}, "
+                                             f"got {text!r}")
         return items
     return parse
 
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text", type=Path, default=TEXT, help="a UTF-8 text file (default: the kit's lab prose)")
     ap.add_argument("--context", type=int, default=512, help="tokens per window (each window one prefill)")
     ap.add_argument("--max-tokens", type=int, default=10240,
-                    help="score the text's first N tokens (the default: 20 windows of 512, ~2.5 min a row on 2 shared cores)")
+                    help="score the text's first N tokens (default: 20 windows of 512, ~2 min a row on 2 shared cores)")
     ap.add_argument("--formats", type=_choices(FORMATS, "--formats"), default=list(FORMATS))
     ap.add_argument("--modes", type=_choices(MODES, "--modes"), default=list(MODES),
                     help=f"comma-separated, of {list(MODES)}")
