@@ -17,6 +17,8 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import re
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,4 +173,11 @@ def real_preset_path(name: str) -> Path:
         raise ValueError(f"unknown real preset {name!r}; real presets: {sorted(REAL_PRESETS)}")
     source = gguf_path(name)
     target = cache_root() / "presets" / f"{name}-v{REAL_PRESET_VERSION}"
-    return build_once(target, "config.json", lambda out: convert_gguf(source, out))
+
+    def build(out: Path) -> None:
+        start = time.perf_counter()
+        print(f"inference-labs: converting {source.name} into {target} (once; ~20 s)", file=sys.stderr, flush=True)
+        convert_gguf(source, out)
+        print(f"inference-labs: {name} built in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+    return build_once(target, "config.json", build)
