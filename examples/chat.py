@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(textwrap.fill(line, width=100, subsequent_indent="  ") for line in lines))
         print(f"  [{len(answer.token_ids)} tokens, finish_reason={answer.finish_reason}]")
     total = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(f"\n{len(outputs)} conversation{'s' * (len(outputs) != 1)}, {total} output tokens in {elapsed:.1f} s ({total / elapsed:.1f} tok/s)")
+    plural = "s" * (len(outputs) != 1)
+    print(f"\n{len(outputs)} conversation{plural}, {total} output tokens in {elapsed:.1f} s "
+          f"({total / elapsed:.1f} tok/s)")
 
 
 if __name__ == "__main__":
