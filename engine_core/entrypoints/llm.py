@@ -1,4 +1,4 @@
-"""The offline facade: `LLM(model=..., **engine args).generate(prompts, sampling_params)`."""
+"""The offline facade: `LLM(model=..., **engine args).generate(prompts, sampling_params)`, and `.chat(messages)`."""
 from __future__ import annotations
 
 import itertools
@@ -13,6 +13,8 @@ from engine_core.lora.request import LoRARequest
 from engine_core.prompts import PromptType, as_prompt_list
 from engine_core.request import Request, RequestOutput, SamplingParams
 from engine_core.validation import fail
+
+ChatMessage = dict[str, Any]  # {"role": "system" | "user" | "assistant", "content": str}
 
 
 class GenerationError(RuntimeError):
@@ -54,6 +56,45 @@ class LLM:
         failed = [i for i, out in enumerate(outputs) if out.outputs[0].finish_reason == "error"]
         if failed:
             raise GenerationError(outputs, failed)
+        return outputs
+
+    def chat(self, messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} dicts) or a list of them,
+        rendered with the tokenizer's chat template (or `chat_template`), then generated like `generate`
+        (one RequestOutput per conversation, `.prompt` the rendered text). Generation stops at the
+        model's EOS, which for a chat model is the template's end-of-turn token (SmolLM2: `<|im_end|>`)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"LLM.chat needs a tokenizer with a chat template; model folder "
+                             f"{str(self.engine.model_config.path)!r} has none")
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("chat_template must be given: the model's tokenizer has no chat template")
+        if chat_template is not None and not isinstance(chat_template, str):
+            fail("chat_template", "a Jinja template str or None (the tokenizer's own)", chat_template)
+        for name, flag in (("add_generation_prompt", add_generation_prompt),
+                           ("continue_final_message", continue_final_message)):
+            if not isinstance(flag, bool):
+                fail(name, "a bool", flag)
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message must not both be True "
+                             "(continue the last message, or open a new assistant turn)")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            fail("chat_template_kwargs", "a dict or None", chat_template_kwargs)
+        conversations = _as_conversations(messages)
+        texts = [tokenizer.apply_chat_template(conv, chat_template=chat_template, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt,
+                                               continue_final_message=continue_final_message,
+                                               **(chat_template_kwargs or {}))
+                 for conv in conversations]
+        # the template writes the special tokens itself: tokenize without adding BOS again (vLLM does the same)
+        prompts = [{"prompt_token_ids": tokenizer.encode(t, add_special_tokens=False)} for t in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        for out, text in zip(outputs, texts):
+            out.prompt = text
         return outputs
 
     @property
@@ -129,3 +170,21 @@ def _as_lora_list(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: in
         raise ValueError(f"lora_request must be one LoRARequest, None, or a list of {n} (one per prompt), "
                          f"got {len(lora)}")
     return list(lora)
+
+
+def _as_conversations(messages: Any) -> list[list[ChatMessage]]:
+    """`LLM.chat`'s first argument: one conversation or a list of them; each message a dict with a str
+    "role" and a str "content" (extra keys, such as "name", go to the template as they are)."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        fail("messages", "a non-empty list of {'role': str, 'content': str} dicts, or a list of such lists",
+             messages)
+    batched = isinstance(messages[0], (list, tuple))
+    conversations = list(messages) if batched else [messages]
+    for i, conv in enumerate(conversations):
+        where = f"messages[{i}]" if batched else "messages"
+        if not isinstance(conv, (list, tuple)) or not conv:
+            fail(where, "a non-empty list of {'role': str, 'content': str} dicts", conv)
+        for j, msg in enumerate(conv):
+            if not (isinstance(msg, dict) and isinstance(msg.get("role"), str) and isinstance(msg.get("content"), str)):
+                fail(f"{where}[{j}]", "a dict with a str 'role' and a str 'content'", msg)
+    return [list(conv) for conv in conversations]

