@@ -116,7 +116,7 @@ def score(engine: LLMEngine, wins: list[list[int]]) -> tuple[torch.Tensor, torch
         qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
         seq_lens = torch.tensor(lens, dtype=torch.int32).to(device)
         meta = AttentionMetadata(slots.to(device), tables.to(device), seq_lens, qsl.to(device), 0,
-                                 runner.config.engine.kv_cache_dtype, runner.config.attention_backend)
+                                 runner.config.engine.kv_cache_dtype, runner.attention_backend)
         ids = torch.tensor([t for w in batch for t in w], device=device)
         positions = torch.cat([torch.arange(n) for n in lens]).to(device)
         hidden = model(ids, positions, cache, meta)
