@@ -8,6 +8,9 @@ serving; a client that leaves mid-stream must leave no request running and no KV
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,7 +20,7 @@ import openai
 import pytest
 
 from benchmarks.serve import run, summarize, synthetic_workload
-from server_helpers import TEMPLATE, Server, chat_model
+from server_helpers import ROOT, TEMPLATE, Server, chat_model
 from engine_core import LLM, SamplingParams
 
 pytestmark = pytest.mark.timeout(180)
@@ -257,6 +260,23 @@ def test_the_load_generator_against_the_server(server):
     assert [r.output_len for r in results] == output_lens
     assert all(0 < r.ttft <= r.e2e <= duration for r in results)
     assert summarize(results, duration)["completed"] == 6
+    server.wait_idle()
+
+
+def test_the_load_generator_sweeps_rates_and_plots(server, tmp_path):
+    """`python -m benchmarks.serve --sweep ... --plot ...` against the server: a row per offered
+    rate, every request served, the PNG and the JSON written."""
+    png, result = tmp_path / "sweep.png", tmp_path / "sweep.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.serve", "--base-url", server.url, "--model", "m",
+                           "--num-prompts", "4", "--input-len", "4:16", "--output-len", "2:6", "--sweep", "20,inf",
+                           "--max-concurrency", "2", "--goodput", "ttft:5000", "--plot", str(png),
+                           "--result-file", str(result)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines()[1:3]]
+    assert [r[0] for r in rows] == ["20", "inf"] and [r[-1] for r in rows] == ["0", "0"], done.stdout
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    sweep = json.loads(result.read_text())["sweep"]
+    assert [s["completed"] for s in sweep] == [4, 4] and all(s["goodput"] > 0 for s in sweep)
     server.wait_idle()
 
 
