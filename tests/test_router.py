@@ -74,6 +74,7 @@ def test_prefix_affinity_and_a_killed_replica_routed_around(tmp_path):
         assert m[f"router_replica_up{{replica={a.url}}}"] == 0 and m[f"router_replica_up{{replica={b.url}}}"] == 1
         assert m["router_retries_total"] == 1  # the first request met the dead replica; the second skipped it
         assert m[f"router_requests_routed_total{{replica={b.url}}}"] == 6
+        assert m[f"router_requests_in_flight{{replica={b.url}}}"] == 0  # every relayed response closed
         assert router.client.with_options(max_retries=0).models.list().data[0].id == "m"
     finally:
         family = [p.pid for proc in started if proc.proc.poll() is None

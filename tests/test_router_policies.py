@@ -2,9 +2,11 @@
 affinity under the bounded-loads rule (load <= ceil(c * average)); the router's replica state."""
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 
+import httpx2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,7 +14,7 @@ from hypothesis import strategies as st
 from engine_core.entrypoints.router.app import Router
 from engine_core.entrypoints.router.policies import (
     HashRing, ReplicaLoad, least_loaded, load_bound, prefix_aware, prefix_key, round_robin)
-from engine_core.entrypoints.router.replicas import parse_load
+from engine_core.entrypoints.router.replicas import parse_load, poll_once
 
 URLS = [f"http://127.0.0.1:{8001 + i}" for i in range(4)]
 
@@ -143,3 +145,30 @@ def test_parse_load_reads_vllms_gauges():
             "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.25\n"
             "# TYPE vllm:request_success counter\nvllm:request_success_total{finished_reason=\"stop\"} 9.0\n")
     assert parse_load(text) == {"num_requests_waiting": 3.0, "num_requests_running": 2.0, "kv_cache_usage_perc": 0.25}
+
+
+def test_a_poll_reads_the_load_marks_a_refusing_replica_down_and_a_good_poll_brings_it_back():
+    waiting = {URLS[0]: 2.0, URLS[1]: 0.0}
+    refusing = {URLS[1]}
+
+    def answer(request: httpx2.Request) -> httpx2.Response:
+        url = f"{request.url.scheme}://{request.url.host}:{request.url.port}"
+        if url in refusing:
+            raise httpx2.ConnectError("connection refused", request=request)
+        return httpx2.Response(200, text=f"# TYPE vllm:num_requests_waiting gauge\n"
+                                         f"vllm:num_requests_waiting {waiting[url]}\n")
+
+    router = Router(URLS[:2], "least_loaded", down_seconds=60.0)
+    good, bad = router.replicas
+
+    async def poll() -> None:
+        async with httpx2.AsyncClient(transport=httpx2.MockTransport(answer)) as client:
+            for r in router.replicas:
+                await poll_once(client, r, timeout=1.0, down_seconds=60.0)
+
+    asyncio.run(poll())
+    assert good.polled == {"num_requests_waiting": 2.0} and good.is_up()
+    assert not bad.is_up() and bad.failures == 1 and router.choose({}).url == good.url
+    refusing.clear()
+    asyncio.run(poll())
+    assert bad.is_up() and router.choose({}).url == bad.url  # back, and idle: the least loaded
