@@ -247,7 +247,8 @@ class Scheduler:
         """Preempt one running request and return it. Victim: the lowest priority (largest
         `priority` value), latest arrival among ties. Mode from `choose_preemption_mode`:
         recompute frees its blocks, resets num_computed_tokens to 0 and puts it at the front
-        of the waiting queue (under "priority", its place by key); swap plans its KV copy to CPU (out.swap_out) and queues it swapped."""
+        of the waiting queue (under "priority", at its place by key); swap plans its KV copy
+        to CPU (out.swap_out) and queues it swapped."""
         victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
         self.running.remove(victim)
         victim.num_preemptions += 1
