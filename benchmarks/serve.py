@@ -11,6 +11,10 @@ asked. Per request: TTFT (send to first streamed text), every ITL (gap between s
 a chunk may carry several tokens when the server merges them), TPOT ((E2E - TTFT) / (output
 tokens - 1)) and E2E. Reported: mean, P50, P90, P99 of each (numpy's linear percentiles, as vLLM),
 throughput, and goodput: requests per second that met every SLO given to `--goodput`.
+
+`--sweep 1,2,4,8` runs the same workload at each offered rate in turn (instead of
+`--request-rate`) and prints one row per rate; `--plot FILE.png` draws achieved throughput against
+P50/P99 TTFT and TPOT with the SLO lines (benchmarks/serve_plot.py).
 """
 from __future__ import annotations
 
@@ -65,6 +69,20 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
             raise ValueError(f"--goodput {name} must be > 0 ms, got {ms!r}")
         slos[name] = value / 1000.0
     return slos
+
+
+def parse_rates(text: str) -> list[float]:
+    """"1,2,4,inf" -> [1.0, 2.0, 4.0, inf]: each > 0."""
+    rates = []
+    for item in text.split(","):
+        try:
+            rate = float(item)
+        except ValueError:
+            raise ValueError(f"--sweep takes request rates like 1,2,4,inf, got {item!r}") from None
+        if not rate > 0:
+            raise ValueError(f"--sweep rates must be > 0, got {item!r}")
+        rates.append(rate)
+    return rates
 
 
 def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -177,6 +195,28 @@ def synthetic_workload(n: int, input_len: tuple[int, int], output_len: tuple[int
     return prompts, [rng.randint(*output_len) for _ in range(n)]
 
 
+async def sweep(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int], rates: list[float],
+                slos: dict[str, float], max_concurrency: int | None = None, burstiness: float = 1.0,
+                seed: int = 0) -> list[dict[str, Any]]:
+    """The workload at each offered rate, one after another: a summary per rate (`request_rate` added)."""
+    summaries = []
+    for rate in rates:
+        results, duration = await run(base_url, model, prompts, output_lens, rate, max_concurrency, burstiness, seed)
+        summaries.append({"request_rate": rate, **summarize(results, duration, slos)})
+    return summaries
+
+
+def format_sweep(summaries: list[dict[str, Any]]) -> str:
+    lines = [f"{'rate/s':>7} {'req/s':>7} {'tok/s':>8} {'TTFT P50':>9} {'TTFT P99':>9} {'TPOT P50':>9} "
+             f"{'TPOT P99':>9} {'goodput':>8} {'failed':>6}"]
+    for s in summaries:
+        goodput = f"{s['goodput']:8.2f}" if "goodput" in s else f"{'-':>8}"
+        lines.append(f"{s['request_rate']:7g} {s['request_throughput']:7.2f} {s['output_throughput']:8.1f} "
+                     f"{s['ttft']['p50_ms']:9.1f} {s['ttft']['p99_ms']:9.1f} {s['tpot']['p50_ms']:9.1f} "
+                     f"{s['tpot']['p99_ms']:9.1f} {goodput} {s['failed']:6d}")
+    return "\n".join(lines)
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     lines = [f"completed {summary['completed']}, failed {summary['failed']}, {summary['duration_s']:.2f} s",
              f"throughput: {summary['request_throughput']:.2f} req/s, {summary['output_throughput']:.1f} output tok/s, "
@@ -205,12 +245,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="SLOs: ttft, tpot, e2el in ms")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-file", default=None, help="write the summary and every request as JSON")
+    parser.add_argument("--sweep", default=None, metavar="RATES", help="offered rates to run in turn: 1,2,4,inf")
+    parser.add_argument("--plot", default=None, metavar="FILE.png", help="with --sweep: the capacity plot")
     args = parser.parse_args(argv)
-    slos = parse_goodput(args.goodput)
+    try:
+        slos = parse_goodput(args.goodput)
+        rates = parse_rates(args.sweep) if args.sweep is not None else None
+    except ValueError as e:
+        parser.error(str(e))
     if not args.request_rate > 0 or not args.burstiness > 0:
         parser.error("--request-rate and --burstiness must be > 0")
+    if args.plot and rates is None:
+        parser.error("--plot needs --sweep")
     prompts, output_lens = synthetic_workload(args.num_prompts, parse_range(args.input_len),
                                               parse_range(args.output_len), args.vocab_size, args.seed)
+    if rates is not None:
+        summaries = asyncio.run(sweep(args.base_url.rstrip("/"), args.model, prompts, output_lens, rates, slos,
+                                      args.max_concurrency, args.burstiness, args.seed))
+        print(format_sweep(summaries))
+        if args.plot:
+            from benchmarks.serve_plot import plot_sweep
+
+            plot_sweep(summaries, slos, args.plot)
+            print(f"wrote {args.plot}")
+        if args.result_file:
+            with open(args.result_file, "w") as f:
+                json.dump({"args": vars(args), "sweep": summaries}, f, indent=1)
+        return
     results, duration = asyncio.run(run(args.base_url.rstrip("/"), args.model, prompts, output_lens,
                                         args.request_rate, args.max_concurrency, args.burstiness, args.seed))
     summary = summarize(results, duration, slos)

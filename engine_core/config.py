@@ -16,6 +16,7 @@ from engine_core.validation import SEED_RANGE, check_bool, check_choice, check_i
 from kernels.fp8 import KV_CACHE_DTYPES, fp8_dtype
 
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's names (engine_core/core/request_queue.py)
 _ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 _DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -45,6 +46,9 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0  # 0: no per-request cap beyond the budget
     enable_prefix_caching: bool = False
     preemption_mode: str = "auto"
+    # admission order: "fcfs", or "priority" (lower `priority` first, then arrival; requests with a
+    # priority other than 0 are an error under fcfs, as in vLLM)
+    scheduling_policy: str = "fcfs"
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks
     # Cost-model rates for choose_preemption_mode; None = documented default of the device.
     prefill_flops_per_s: float | None = None
@@ -88,6 +92,7 @@ class EngineConfig:
         self.long_prefill_token_threshold = check_int("long_prefill_token_threshold",
                                                       self.long_prefill_token_threshold, 0, hint="0 = off")
         self.preemption_mode = check_choice("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
+        self.scheduling_policy = check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         self.swap_space = check_real("swap_space", self.swap_space, 0.0, hint="GiB")
         for name in ("prefill_flops_per_s", "swap_bandwidth_bytes_per_s"):
             setattr(self, name, check_real(name, getattr(self, name), 0.0, lo_open=True, optional=True))

@@ -84,9 +84,12 @@ class LLMEngine:
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
             fail("sampling_params", "a SamplingParams or None", sampling_params)
         params = dataclasses.replace(sampling_params or SamplingParams())  # re-runs every check
-        # kept on the request and used to pick preemption victims (the largest value goes first);
-        # admission is first-come first-served
-        priority = check_int("priority", priority, hint="lower = preempted last; admission is FCFS")
+        # lower = admitted first under scheduling_policy "priority"; always: the largest value is preempted first
+        priority = check_int("priority", priority, hint="lower = served first")
+        if priority != 0 and self.config.engine.scheduling_policy != "priority":  # vLLM's processor refuses it too
+            raise ValueError(f"priority must be 0 when priority scheduling is not enabled (scheduling_policy="
+                             f"{self.config.engine.scheduling_policy!r}), got {priority}; build the engine with "
+                             f"scheduling_policy='priority' to order requests by it")
         arrival_time = check_real("arrival_time", arrival_time, optional=True)
         text, token_ids = self._tokenize(prompt)
         limit = self.config.max_model_len

@@ -189,6 +189,8 @@ def test_a_bad_request_raises_its_value_error_and_the_next_request_runs(llm, exp
             await llm.generate(list(range(3, 500)) * 5, SamplingParams(**GREEDY), "too-long").__anext__()
         with pytest.raises(ValueError, match="prompt token ids"):
             await llm.generate([10**6], SamplingParams(**GREEDY), "bad-token").__anext__()
+        with pytest.raises(ValueError, match=r"priority must be 0 when priority scheduling is not enabled .*got 2"):
+            await llm.generate(PROMPTS[1], SamplingParams(**GREEDY), "prioritized", priority=2).__anext__()
         assert llm.stats()["num_requests_waiting"] == 0
         return await _collect(llm, PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS[0], **GREEDY), "good")
 

@@ -109,6 +109,9 @@ REQUEST_CASES: list[tuple[str, Callable[[LLM], Any], str]] = [
     ("request-id-duplicate", _duplicate, "request_id 'dup' is already in use"),
     ("priority-str", _add(priority="high"), r"priority must be an int \(lower = served first\), got 'high'"),
     ("priority-float", _add(priority=1.5), r"priority must be an int .*got 1.5"),
+    ("priority-under-fcfs", _add(priority=-2),
+     r"priority must be 0 when priority scheduling is not enabled \(scheduling_policy='fcfs'\), got -2; build the "
+     r"engine with scheduling_policy='priority'"),
     ("arrival-time-nan", _add(arrival_time=math.nan), r"arrival_time must be None or a finite number, got nan"),
     ("abort-id-not-str", lambda llm: llm.engine.abort_request(7), r"request_id must be a str or a list of str, got 7 \(int\)"),
     ("lora-without-enable-lora", _add(lora_request=LoRARequest("a", 1, "/x")),
@@ -133,6 +136,8 @@ ENGINE_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("seed-engine-float", dict(seed=1.5), r"seed must be an int in .*got 1.5 \(float\)"),
     ("tensor-parallel-size-2", dict(tensor_parallel_size=2), r"tensor_parallel_size=2 is not supported yet"),
     ("max-num-seqs-zero", dict(max_num_seqs=0), r"max_num_seqs must be an int >= 1, got 0"),
+    ("scheduling-policy-unknown", dict(scheduling_policy="lifo"),
+     r"scheduling_policy must be one of \('fcfs', 'priority'\), got 'lifo'"),
     ("max-num-seqs-str", dict(max_num_seqs="8"), r"max_num_seqs must be an int >= 1, got '8' \(str\)"),
     ("max-num-batched-tokens-bool", dict(max_num_batched_tokens=True), r"max_num_batched_tokens must be an int >= 1, got True"),
     ("long-prefill-threshold-negative", dict(long_prefill_token_threshold=-1), r"long_prefill_token_threshold must be an int >= 0 \(0 = off\)"),

@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.serve import RequestResult, arrival_offsets, meets, parse_goodput, parse_range, summarize
+from benchmarks.serve import (
+    RequestResult, arrival_offsets, format_sweep, meets, parse_goodput, parse_range, parse_rates, summarize)
+from benchmarks.serve_plot import plot_sweep
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -68,3 +70,26 @@ def test_arrivals_poisson_and_bursty():
         assert gaps.mean() == pytest.approx(0.1, rel=0.05)
         assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.06)
     assert arrival_offsets(50, 10.0, seed=3) == arrival_offsets(50, 10.0, seed=3)
+
+
+def test_sweep_rates_are_parsed_and_checked():
+    assert parse_rates("1,2.5,inf") == [1.0, 2.5, float("inf")]
+    for bad, message in (("1,0", "must be > 0, got '0'"), ("1,fast", "like 1,2,4,inf, got 'fast'"), ("-1", "> 0")):
+        with pytest.raises(ValueError, match=message):
+            parse_rates(bad)
+
+
+def test_the_sweep_plot_draws_p50_and_p99_against_achieved_throughput_with_the_slo_lines(tmp_path):
+    summaries = [{"request_rate": rate, **summarize(_results(), duration)} for rate, duration in ((1.0, 4.0), (4.0, 2.0))]
+    slos = parse_goodput(["ttft:250"])
+    fig = plot_sweep(summaries, slos, str(tmp_path / "sweep.png"))
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ttft, tpot = fig.axes
+    lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ttft.lines}
+    # 3 completed requests in 4 s and in 2 s; ttft P50 200 ms and P99 298 ms in both runs (by hand above)
+    assert lines["TTFT P50"] == ([0.75, 1.5], pytest.approx([200, 200]))
+    assert lines["TTFT P99"] == ([0.75, 1.5], pytest.approx([298, 298]))
+    assert list(lines["SLO 250 ms"][1]) == [250, 250]
+    assert {line.get_label() for line in tpot.lines} == {"TPOT P50", "TPOT P99"}  # no TPOT SLO given
+    table = format_sweep(summaries).splitlines()
+    assert len(table) == 3 and table[2].split()[:3] == ["4", "1.50", "4.5"]

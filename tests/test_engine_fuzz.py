@@ -45,7 +45,8 @@ def _random_config(rng: random.Random, with_lora: bool) -> dict:
                 max_num_batched_tokens=rng.randint(1, 64) if chunked else rng.randint(1, 64) * 4,
                 enable_chunked_prefill=chunked, enable_prefix_caching=rng.random() < 0.6,
                 preemption_mode=rng.choice(["auto", "recompute", "swap", "swap"]),
-                long_prefill_token_threshold=rng.choice([0, 0, 3, 8]), seed=rng.randrange(2**32))
+                long_prefill_token_threshold=rng.choice([0, 0, 3, 8]), seed=rng.randrange(2**32),
+                scheduling_policy=rng.choice(["fcfs", "priority"]))
 
 
 def _random_params(rng: random.Random) -> SamplingParams:
@@ -101,7 +102,8 @@ def test_random_sequence(seed):
             rid = finished_ids.pop(rng.randrange(len(finished_ids))) if reuse else f"r{op}"
             fits = len(prompt) + 1 <= mml and cdiv(min(len(prompt) + params.max_tokens, mml), bs) <= gpu_blocks
             try:
-                request = engine.add_request(rid, prompt, params, priority=rng.randint(0, 2), lora_request=lora)
+                priority = rng.randint(0, 2) if config["scheduling_policy"] == "priority" else 0  # fcfs: 0 only
+                request = engine.add_request(rid, prompt, params, priority=priority, lora_request=lora)
             except ValueError as e:
                 assert not fits, f"{where}: rejected a request that fits: {e}"
             else:

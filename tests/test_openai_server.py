@@ -8,10 +8,7 @@ serving; a client that leaves mid-stream must leave no request running and no KV
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import signal
-import socket
+import json
 import subprocess
 import sys
 import threading
@@ -21,85 +18,19 @@ from pathlib import Path
 import httpx2
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.serve import run, summarize, synthetic_workload
+from server_helpers import ROOT, TEMPLATE, Server, chat_model
 from engine_core import LLM, SamplingParams
-from engine_core.presets import preset_path
 
 pytestmark = pytest.mark.timeout(180)
-ROOT = Path(__file__).resolve().parent.parent
-ENGINE_ARGS = ["--device", "cpu", "--num-gpu-blocks", "128"]
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 PROMPTS = ["Hello, my name is", "The capital of France", "abc", "0123456789", "def f(x):", "Once upon"]
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """The server as a subprocess in its own session; `stop()` ends it and checks nothing is left."""
-
-    def __init__(self, model: str, *args: str, name: str = "m") -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine_core.entrypoints.openai", "--model", model, "--served-model-name", name,
-             "--host", "127.0.0.1", "--port", str(self.port), *ENGINE_ARGS, *args],
-            cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while True:
-            assert self.proc.poll() is None, f"server exited: {self.proc.stdout.read().decode()[-3000:]}"
-            try:
-                if httpx2.get(f"{self.url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx2.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server not healthy after 120 s"
-            time.sleep(0.25)
-        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
-
-    def metrics(self) -> dict[str, float]:
-        """Every unlabelled sample of /metrics, parsed by prometheus_client's parser."""
-        text = httpx2.get(f"{self.url}/metrics", timeout=10).text
-        return {s.name + "".join(f"{{{k}={v}}}" for k, v in sorted(s.labels.items())): s.value
-                for family in text_string_to_metric_families(text) for s in family.samples}
-
-    def wait_idle(self, timeout: float = 15.0) -> dict[str, float]:
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            if m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0 \
-                    and m["vllm:gpu_cache_usage_perc"] == 0:
-                return m
-            assert time.monotonic() < deadline, f"not idle after {timeout}s: running {m['vllm:num_requests_running']}"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        assert self.proc.returncode is not None
-        with pytest.raises(ProcessLookupError):  # nothing of its session is left
-            os.killpg(self.proc.pid, 0)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """tiny-llama's folder with a chat template added (the preset has none)."""
-    folder = tmp_path_factory.mktemp("model") / "tiny-llama-chat"
-    shutil.copytree(preset_path("tiny-llama"), folder)
-    (folder / "chat_template.jinja").write_text(TEMPLATE)
-    return folder
+    return chat_model(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +140,7 @@ def test_chat_uses_the_template_and_streams(server, offline):
     (dict(prompt=[10**6]), "prompt"),
     (dict(n=0), "n"),
     (dict(extra_body={"priority": "high"}), "priority"),
+    (dict(extra_body={"priority": 1}), "priority"),  # the server's engine is fcfs: priority must be 0
     (dict(logprobs=2), "logprobs"),
 ])
 def test_bad_input_is_a_400_naming_the_parameter_and_the_server_goes_on(server, offline, kwargs, param):
@@ -261,7 +193,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(server):
     stream = server.client.completions.create(model="m", prompt=PROMPTS[5], max_tokens=1500, stream=True, **GREEDY)
     next(iter(stream))
     m = server.metrics()
-    assert m["vllm:num_requests_running"] == 1 and m["vllm:gpu_cache_usage_perc"] > 0
+    assert m["vllm:num_requests_running"] == 1 and m["vllm:kv_cache_usage_perc"] > 0
     stream.close()
     m = server.wait_idle()
     assert m['vllm:request_success_total{finished_reason=abort}'] == aborted_before + 1
@@ -278,10 +210,36 @@ def test_a_client_that_leaves_a_plain_request_frees_its_blocks(server):
     assert 0 < generated < 1000, f"{generated} tokens: the engine request ran on after the client left"
 
 
-def test_priority_is_accepted(server, offline):
-    resp = server.client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=5,
-                                            temperature=0.0, extra_body={"ignore_eos": True, "priority": -3})
-    assert resp.choices[0].text == offline(PROMPTS[0], 5)[0]
+def test_a_priority_server_runs_the_most_important_waiting_request_first(model_dir, offline):
+    """--scheduling-policy priority, one seat: while a long stream holds it, a low-priority request
+    and then an urgent one queue; when the seat frees, the urgent one (lower value) runs first."""
+    srv = Server(str(model_dir), "--scheduling-policy", "priority", "--max-num-seqs", "1")
+    try:
+        blocker = srv.client.completions.create(model="m", prompt="a", max_tokens=1000, stream=True, **GREEDY)
+        next(iter(blocker))
+        done: dict[str, tuple[float, str]] = {}
+
+        def ask(name: str, priority: int, prompt: str) -> None:
+            resp = srv.client.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0.0,
+                                                 extra_body={"ignore_eos": True, "priority": priority})
+            done[name] = (time.monotonic(), resp.choices[0].text)
+
+        threads = []
+        for name, priority, prompt in (("low", 5, PROMPTS[1]), ("urgent", -3, PROMPTS[0])):
+            threads.append(threading.Thread(target=ask, args=(name, priority, prompt)))
+            threads[-1].start()
+            deadline = time.monotonic() + 20
+            while srv.metrics()["vllm:num_requests_waiting"] < len(threads):
+                assert time.monotonic() < deadline, "the request never queued"
+                time.sleep(0.02)
+        blocker.close()  # frees the seat
+        for t in threads:
+            t.join(30)
+        assert done["urgent"][0] < done["low"][0], "the low-priority request ran first"
+        assert done["urgent"][1] == offline(PROMPTS[0], 6)[0] and done["low"][1] == offline(PROMPTS[1], 6)[0]
+        srv.wait_idle()
+    finally:
+        srv.stop()
 
 
 def test_metrics_parse_and_count_what_was_served(server):
@@ -302,6 +260,23 @@ def test_the_load_generator_against_the_server(server):
     assert [r.output_len for r in results] == output_lens
     assert all(0 < r.ttft <= r.e2e <= duration for r in results)
     assert summarize(results, duration)["completed"] == 6
+    server.wait_idle()
+
+
+def test_the_load_generator_sweeps_rates_and_plots(server, tmp_path):
+    """`python -m benchmarks.serve --sweep ... --plot ...` against the server: a row per offered
+    rate, every request served, the PNG and the JSON written."""
+    png, result = tmp_path / "sweep.png", tmp_path / "sweep.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.serve", "--base-url", server.url, "--model", "m",
+                           "--num-prompts", "4", "--input-len", "4:16", "--output-len", "2:6", "--sweep", "20,inf",
+                           "--max-concurrency", "2", "--goodput", "ttft:5000", "--plot", str(png),
+                           "--result-file", str(result)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines()[1:3]]
+    assert [r[0] for r in rows] == ["20", "inf"] and [r[-1] for r in rows] == ["0", "0"], done.stdout
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    sweep = json.loads(result.read_text())["sweep"]
+    assert [s["completed"] for s in sweep] == [4, 4] and all(s["goodput"] > 0 for s in sweep)
     server.wait_idle()
 
 

@@ -8,7 +8,9 @@ requests whose step failed or that stop finished here, their blocks freed.
 Each step, `schedule()` hands out `max_num_batched_tokens` tokens: first to running
 requests in order (decodes and unfinished prefill chunks), preempting the lowest-priority
 running requests when blocks run out; then swapped requests are brought back; then
-waiting requests are admitted in FCFS order after a prefix-cache lookup. With LoRA, a step
+waiting requests are admitted from the head of the waiting queue after a prefix-cache lookup.
+The queue's order is `scheduling_policy`'s (engine_core/core/request_queue.py): arrival
+(FCFS), or (priority, arrival) with "priority". With LoRA, a step
 never runs more than `max_loras` distinct adapters (`_lora_slot_available`). A request only
 has `num_computed_tokens` that must catch up with `num_tokens`: no prefill/decode phases.
 
@@ -20,13 +22,13 @@ fits the model can be scheduled (vLLM requires the same of its engine arguments)
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Iterable
 
 from engine_core import memory
 from engine_core.config import KVCacheConfig, ResolvedConfig
 from engine_core.core.cost_model import PreemptionCostModel
 from engine_core.core.kv_cache_manager import KVCacheBlock, KVCacheManager, cdiv
+from engine_core.core.request_queue import create_request_queue
 from engine_core.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from engine_core.metrics import Stats
 from engine_core.outputs import ModelRunnerOutput
@@ -49,7 +51,8 @@ class Scheduler:
                                                enable_caching=self.config.enable_prefix_caching,
                                                num_cpu_blocks=kv_cache_config.num_cpu_blocks)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()  # recompute-preempted requests at the front
+        # ordered by scheduling_policy: FCFS (recompute-preempted requests at the front) or (priority, arrival)
+        self.waiting = create_request_queue(self.config.scheduling_policy)
         self.running: list[Request] = []  # in admission order
         self.swapped: list[Request] = []  # sorted by (priority, arrival): swapped back in FCFS
         self.counters = Stats()
@@ -244,7 +247,8 @@ class Scheduler:
         """Preempt one running request and return it. Victim: the lowest priority (largest
         `priority` value), latest arrival among ties. Mode from `choose_preemption_mode`:
         recompute frees its blocks, resets num_computed_tokens to 0 and puts it at the front
-        of the waiting queue; swap plans its KV copy to CPU (out.swap_out) and queues it swapped."""
+        of the waiting queue (under "priority", at its place by key); swap plans its KV copy
+        to CPU (out.swap_out) and queues it swapped."""
         victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
         self.running.remove(victim)
         victim.num_preemptions += 1
@@ -360,14 +364,14 @@ class Scheduler:
         request the step finished, or whose last token meets its stop condition, is finished; so
         greedy and seeded requests (seeded draws depend only on seed and position) end with the tokens
         of an uninterrupted run. The price is recomputing every running request, paid only after a
-        failure."""
+        failure. Under scheduling_policy "priority" the queue re-sorts them by (priority, arrival)."""
         queued = [*self.running, *self.swapped]
         in_queue = {id(r) for r in [*queued, *self.waiting]}
         orphans = sorted((r for r in self.requests.values() if id(r) not in in_queue), key=lambda r: r.arrival_time)
         order = [*queued, *orphans, *self.waiting]
         self.kv_cache_manager.free_all()
         self._sent_tables.clear()
-        self.running, self.swapped, self.waiting = [], [], deque()
+        self.running, self.swapped, self.waiting = [], [], create_request_queue(self.config.scheduling_policy)
         seen: set[str] = set()
         for request in order:
             rid = request.request_id

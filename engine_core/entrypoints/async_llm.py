@@ -12,7 +12,8 @@ admission. A reader that goes away (its task cancelled, the iterator closed) abo
 which frees its blocks. A step that raises fails every request in flight (EngineStepError in
 each iterator, the requests aborted) and the loop goes on with new ones. `shutdown()` refuses new
 requests, lets those in flight finish (or aborts them at once, or at the timeout) and joins the
-thread. Scheduling order is the engine's: `priority` is passed to add_request as it is.
+thread. Scheduling order is the engine's `scheduling_policy`: `priority` goes to add_request as it
+is, which refuses one other than 0 under "fcfs" (generate raises its ValueError, nothing queued).
 """
 from __future__ import annotations
 
