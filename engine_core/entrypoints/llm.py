@@ -56,6 +56,11 @@ class LLM:
             raise GenerationError(outputs, failed)
         return outputs
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel engine (tensor/pipeline_parallel_size > 1); garbage
+        collection and interpreter exit do it too."""
+        self.engine.shutdown()
+
     @property
     def guard(self) -> ThreadGuard:
         return self.engine.guard

@@ -1,0 +1,81 @@
+"""The executor: what the engine calls to run a step, whether the model lives in its own process or is
+sharded over worker processes (vLLM v1's `Executor`, `UniProcExecutor`, `MultiprocExecutor`).
+
+The engine owns the one scheduler and talks to the model only through these calls:
+`determine_kv_cache_config()` (the smallest of the ranks' block counts, so every rank holds every block
+id the scheduler hands out), `initialize_kv_cache(config)`, `execute_model(scheduler_output)` ->
+`ModelRunnerOutput`, `forget_all_requests()` (after a failed step), `collective_rpc(fn)` (a function of
+the runner on every rank) and `shutdown()`. `UniProcExecutor` is the runner in the engine's process,
+called directly: the single-process engine does exactly what it did before there were executors.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from engine_core.config import KVCacheConfig, ResolvedConfig
+from engine_core.core.scheduler_output import SchedulerOutput
+from engine_core.lora.manager import LoRAManager
+from engine_core.models.config import ModelConfig
+from engine_core.outputs import ModelRunnerOutput
+from engine_core.worker.model_runner import ModelRunner
+
+
+class Executor:
+    """The interface; `Executor.get_class(config)` picks the implementation for the configured backend."""
+
+    lora: LoRAManager | None = None  # the runner's adapters (in the engine's process only)
+
+    @staticmethod
+    def get_class(config: ResolvedConfig) -> type["Executor"]:
+        backend = config.engine.distributed_executor_backend
+        if backend == "mp" or (backend is None and config.engine.world_size > 1):
+            from engine_core.distributed.multiproc_executor import MultiprocExecutor
+
+            return MultiprocExecutor
+        return UniProcExecutor
+
+    def determine_kv_cache_config(self) -> KVCacheConfig:
+        raise NotImplementedError
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        raise NotImplementedError
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        raise NotImplementedError
+
+    def forget_all_requests(self) -> None:
+        raise NotImplementedError
+
+    def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """`fn(runner, *args)` on every rank; the results in rank order."""
+        raise NotImplementedError
+
+    def comm_stats(self) -> dict[str, float]:
+        """Collective calls, bytes and seconds, summed over the ranks (empty with one process)."""
+        return {}
+
+    def shutdown(self) -> None:
+        """Stop the workers (idempotent)."""
+
+
+class UniProcExecutor(Executor):
+    """The model runner in the engine's own process."""
+
+    def __init__(self, config: ResolvedConfig, model_config: ModelConfig) -> None:
+        self.runner = ModelRunner(config, model_config)
+        self.lora = self.runner.lora
+
+    def determine_kv_cache_config(self) -> KVCacheConfig:
+        return self.runner.determine_kv_cache_config()
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self.runner.initialize_kv_cache(kv_cache_config)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def forget_all_requests(self) -> None:
+        self.runner.forget_all_requests()
+
+    def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        return [fn(self.runner, *args)]
