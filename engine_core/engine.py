@@ -18,7 +18,7 @@ whose forward raises or whose logits are NaN finishes with finish_reason "error"
 go on. A step is all-or-nothing: Ctrl-C is held until it ends (engine_core.interrupts), and a
 step that raises part-way is rolled back to a consistent state (`Scheduler.requeue_for_recompute`).
 
-The model runs behind an executor (engine_core.distributed.executor): in this process
+The model runs behind an executor (engine_core.distributed): in this process
 (`UniProcExecutor`, `self.runner` is its runner) or sharded over tensor_parallel_size x
 pipeline_parallel_size worker processes (`MultiprocExecutor`; `self.runner` is None). `shutdown()`
 stops the workers; garbage collection and interpreter exit do too.
@@ -33,7 +33,8 @@ from typing import Any
 from engine_core.config import EngineConfig, KVCacheConfig, ResolvedConfig
 from engine_core.core.cost_model import PreemptionCostModel
 from engine_core.core.scheduler import Scheduler
-from engine_core.distributed.executor import Executor, UniProcExecutor
+from engine_core.distributed.abstract import Executor
+from engine_core.distributed.executor import UniProcExecutor, get_executor_class
 from engine_core.guard import ThreadGuard, guarded
 from engine_core.lora.adapter import LoRAAdapter
 from engine_core.lora.request import LoRARequest
@@ -50,7 +51,7 @@ class LLMEngine:
         args = self.model_config.args
         self.config = ResolvedConfig.resolve(config, args.max_position_embeddings, self.model_config.checkpoint_dtype)
         args.check_max_model_len(self.config.max_model_len)
-        self.executor: Executor = Executor.get_class(self.config)(self.config, self.model_config)
+        self.executor: Executor = get_executor_class(self.config)(self.config, self.model_config)
         # the model runner when it is in this process (the single-process engine), else None
         self.runner: ModelRunner | None = self.executor.runner if isinstance(self.executor, UniProcExecutor) else None
         self.kv_cache_config: KVCacheConfig = self.executor.determine_kv_cache_config()

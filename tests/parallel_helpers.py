@@ -3,6 +3,9 @@ name), a workload that exercises chunked prefill, prefix caching and recompute p
 and the processes a test leaves behind."""
 from __future__ import annotations
 
+import time
+from typing import Iterator
+
 import psutil
 import torch
 
@@ -24,6 +27,17 @@ def stress_prompts(vocab_size: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(1)
     prefix = torch.randint(3, vocab_size, (12,), generator=g).tolist()
     return [prefix + torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in (9, 14, 20, 25, 17, 28)]
+
+
+def engine_pair(preset: str, **parallel: int) -> Iterator[tuple[str, LLM, LLM, float]]:
+    """A module fixture's body: (preset, the one-process engine, the parallel one, its startup seconds)
+    with the STRESS settings; the parallel engine is shut down after, leaving no process."""
+    reference = LLM(preset, **STRESS)
+    t0 = time.perf_counter()
+    llm = LLM(preset, **STRESS, **parallel)
+    yield preset, reference, llm, time.perf_counter() - t0
+    llm.shutdown()
+    assert not child_processes()
 
 
 def generate_tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -54,6 +68,11 @@ def engine_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
     executor = llm.engine.executor
     results = executor.collective_rpc(last_row_logits, prompts)
     return torch.stack(results[getattr(executor, "output_rank", 0)])
+
+
+def kv_cache_shape(runner: ModelRunner) -> tuple[tuple[int, ...], int]:
+    """(one layer's K cache shape, the number of layers) of this rank's KV cache."""
+    return tuple(runner.kv_cache.key[0].shape), len(runner.kv_cache.key)
 
 
 def child_processes() -> list[psutil.Process]:

@@ -14,33 +14,21 @@ sharding bug (a wrong head, a missing all-reduce, a dropped bias) moves logits b
 """
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import transformers
 
-from engine_core import LLM, SamplingParams
+from engine_core import SamplingParams
 from engine_core.presets import preset_path
-from parallel_helpers import STRESS, child_processes, engine_logits, generate_tokens, stress_prompts
+from parallel_helpers import STRESS, engine_logits, engine_pair, generate_tokens, kv_cache_shape, stress_prompts
 
 pytestmark = pytest.mark.timeout(600)
 TP_TOL = 1e-4
 
 
-def kv_cache_shape(runner) -> tuple[int, ...]:
-    return tuple(runner.kv_cache.key[0].shape), len(runner.kv_cache.key)
-
-
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2"])
-def engines(request):
-    """(preset, TP=1 engine, TP=2 engine, startup seconds). tiny-qwen2 has one KV head: TP=2 replicates it."""
-    tp1 = LLM(request.param, **STRESS)
-    t0 = time.perf_counter()
-    tp2 = LLM(request.param, tensor_parallel_size=2, **STRESS)
-    yield request.param, tp1, tp2, time.perf_counter() - t0
-    tp2.shutdown()
-    assert not child_processes()
+@pytest.fixture(scope="module")
+def engines():
+    yield from engine_pair("tiny-llama", tensor_parallel_size=2)
 
 
 def test_greedy_tokens_equal_tp1_under_chunking_prefix_caching_and_preemption(engines):

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 from engine_core.config import KVCacheConfig, ResolvedConfig
 from engine_core.core.scheduler_output import SchedulerOutput
-from engine_core.distributed.executor import Executor
+from engine_core.distributed.abstract import Executor
 from engine_core.distributed.parallel_state import output_rank
 from engine_core.distributed.worker import WorkerSpec, worker_main
 from engine_core.models.config import LlamaArgs, ModelConfig
@@ -185,7 +185,6 @@ class MultiprocExecutor(Executor):
                 try:
                     status, result, comm = conn.recv()
                 except (EOFError, OSError):
-                    self.procs[rank].join(1.0)
                     self._fail(f"{what}: {self._death(rank)}")
                 if status == "error":
                     self._fail(f"{what}: worker {rank} raised:\n{result}")
@@ -198,6 +197,7 @@ class MultiprocExecutor(Executor):
 
     def _death(self, rank: int) -> str:
         proc = self.procs[rank]
+        proc.join(1.0)  # a closed pipe comes a moment before the exit code
         code = proc.exitcode
         how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
                f"exit code {code}" if code is not None else "its pipe closed")

@@ -79,25 +79,23 @@ def init_worker(spec: WorkerSpec, config: ResolvedConfig,
 
 
 def serve(runner: ModelRunner, ctx: ParallelContext, conn: Connection) -> None:
-    """Answer calls until "shutdown", the engine's end of the pipe closing, or a call that raises."""
-    try:
-        while True:
-            try:
-                method, args, every_rank_replies = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):  # the engine is gone
-                return
-            if method == "shutdown":
-                return
-            try:
-                result = getattr(runner, method)(*args) if isinstance(method, str) else method(runner, *args)
-            except BaseException:
-                conn.send(("error", traceback.format_exc(), None))
-                return
-            reply = result if every_rank_replies or ctx.is_output_rank else None
-            conn.send(("ok", reply, ctx.comm_stats().as_dict()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    """Answer calls until "shutdown", the engine's end of the pipe closing, or a call that raises. (The
+    process group is left to the process's exit: a peer may already be gone, and destroying a group
+    waits for it.)"""
+    while True:
+        try:
+            method, args, every_rank_replies = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the engine is gone
+            return
+        if method == "shutdown":
+            return
+        try:
+            result = getattr(runner, method)(*args) if isinstance(method, str) else method(runner, *args)
+        except BaseException:
+            conn.send(("error", traceback.format_exc(), None))
+            return
+        reply = result if every_rank_replies or ctx.is_output_rank else None
+        conn.send(("ok", reply, ctx.comm_stats().as_dict()))
 
 
 def _exit_with_parent(parent_pid: int) -> None:
