@@ -71,6 +71,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    # machines the ranks span (vLLM's nnodes): this engine is node 0; the others run
+    # `python -m engine_core.distributed.launch` (MASTER_ADDR, MASTER_PORT, NODE_RANK)
+    nnodes: int = 1
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
@@ -123,6 +126,10 @@ class EngineConfig:
         """Sizes, the backend, and the features a sharded engine does not have (refused, not ignored)."""
         self.tensor_parallel_size = check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         self.pipeline_parallel_size = check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        self.nnodes = check_int("nnodes", self.nnodes, 1)
+        _need(self.world_size % self.nnodes == 0, "nnodes",
+              f"a divisor of tensor_parallel_size x pipeline_parallel_size = {self.world_size} (every node hosts as "
+              f"many ranks)", self.nnodes)
         backend = self.distributed_executor_backend
         _need(backend in _EXECUTOR_BACKENDS and (backend is None or isinstance(backend, str)),
               "distributed_executor_backend", f"one of {list(_EXECUTOR_BACKENDS)}", backend)

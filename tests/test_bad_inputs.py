@@ -142,6 +142,8 @@ ENGINE_CASES: list[tuple[str, dict[str, Any], str]] = [
      r"enable_lora must be False with tensor_parallel_size x pipeline_parallel_size = 2 > 1"),
     ("parallel-with-fp8-kv-cache", dict(pipeline_parallel_size=2, kv_cache_dtype="fp8"),
      r"kv_cache_dtype must be 'auto' with tensor_parallel_size x pipeline_parallel_size = 2 > 1"),
+    ("nnodes-not-dividing-ranks", dict(tensor_parallel_size=2, pipeline_parallel_size=1, nnodes=3),
+     r"nnodes must be a divisor of tensor_parallel_size x pipeline_parallel_size = 2 \(every node hosts as many"),
     ("executor-backend-unknown", dict(distributed_executor_backend="ray"),
      r"distributed_executor_backend must be one of \[None, 'uni', 'mp'\], got 'ray'"),
     ("executor-backend-uni-with-tp", dict(tensor_parallel_size=2, distributed_executor_backend="uni"),

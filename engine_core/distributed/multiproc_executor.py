@@ -14,6 +14,12 @@ every later call raises it again. `shutdown()`, garbage collection of the execut
 exit (a `weakref.finalize`) stop the workers: a "shutdown" message, then terminate, then kill.
 Ctrl-C reaches only the engine (workers ignore it); a second Ctrl-C inside a step (the first is held
 until the step ends) leaves the ranks' replies unread, so the executor stops them too.
+
+Several machines (`nnodes` > 1; docs/architecture.md#parallelism has the commands): the group meets by
+`env://` (MASTER_ADDR, MASTER_PORT), this engine spawns node 0's ranks, and each other node's ranks
+(started by `python -m engine_core.distributed.launch`) connect to the engine on MASTER_PORT + 1,
+authenticated by ENGINE_CORE_AUTHKEY (multiprocessing's HMAC handshake); a TCP connection then
+stands in for the pipe (a closed connection is a dead worker: no process sentinel across machines).
 """
 from __future__ import annotations
 
@@ -21,9 +27,10 @@ import os
 import pickle
 import signal
 import socket
+import threading
 import time
 import weakref
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection, Listener, wait
 from typing import Any, Callable
 
 import torch
@@ -39,6 +46,17 @@ from engine_core.outputs import ModelRunnerOutput
 
 STARTUP_TIMEOUT_S = float(os.environ.get("ENGINE_CORE_WORKER_STARTUP_TIMEOUT_S", 600))
 STEP_TIMEOUT_S = float(os.environ.get("ENGINE_CORE_WORKER_STEP_TIMEOUT_S", 300))
+CONTROL_PORT_OFFSET = 1  # the engine listens for other nodes' workers on MASTER_PORT + 1
+
+
+def rendezvous() -> tuple[str, int, bytes]:
+    """(MASTER_ADDR, MASTER_PORT, ENGINE_CORE_AUTHKEY) of a multi-node run, each checked."""
+    addr, port, key = (os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "ENGINE_CORE_AUTHKEY"))
+    if not addr or not port.isdigit() or not key:
+        raise ValueError(f"nnodes > 1 needs MASTER_ADDR, MASTER_PORT (an int) and ENGINE_CORE_AUTHKEY (a shared "
+                         f"secret) in the environment of every node; got MASTER_ADDR={addr!r}, MASTER_PORT={port!r}, "
+                         f"ENGINE_CORE_AUTHKEY {'set' if key else 'unset'}")
+    return addr, int(port), key.encode()
 
 
 class EngineDeadError(RuntimeError):
@@ -48,7 +66,9 @@ class EngineDeadError(RuntimeError):
 def check_parallel(config: ResolvedConfig, args: LlamaArgs) -> None:
     """What the model and the machine must allow, checked before any process starts."""
     e = config.engine
-    tp, pp, world = e.tensor_parallel_size, e.pipeline_parallel_size, e.world_size
+    tp, pp, world = e.tensor_parallel_size, e.pipeline_parallel_size, e.world_size // e.nnodes  # on this node
+    if e.nnodes > 1:
+        rendezvous()
     for name, n in (("num_attention_heads", args.num_heads), ("intermediate_size", args.intermediate_size)):
         if n % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide the model's {name}={n}")
@@ -88,32 +108,59 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: ResolvedConfig, model_config: ModelConfig) -> None:
         check_parallel(config, model_config.args)
         e = config.engine
-        self.world_size = e.world_size
+        self.world_size, local = e.world_size, e.world_size // e.nnodes
         self.output_rank = output_rank(e.tensor_parallel_size, e.pipeline_parallel_size)
         self.step_timeout_s = STEP_TIMEOUT_S
         self._dead: str | None = None
         self._comm: list[dict[str, float]] = [{} for _ in range(self.world_size)]
         context = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        self.procs: list[Any] = []
-        self.conns: list[Connection] = []
+        init_method = "env://" if e.nnodes > 1 else f"tcp://127.0.0.1:{free_port()}"
+        self.procs: list[Any] = [None] * self.world_size  # None: a rank on another node
+        self.conns: list[Connection | None] = [None] * self.world_size
         self._finalizer = weakref.finalize(self, stop_workers, self.procs, self.conns)
+
+        def spec(rank: int) -> WorkerSpec:
+            return WorkerSpec(rank, e.tensor_parallel_size, e.pipeline_parallel_size, init_method,
+                              local_rank=rank % local, local_world_size=local, collective_timeout_s=self.step_timeout_s)
         try:
-            for rank in range(self.world_size):
-                spec = WorkerSpec(rank, e.tensor_parallel_size, e.pipeline_parallel_size, init_method,
-                                  local_rank=rank, local_world_size=self.world_size,
-                                  collective_timeout_s=self.step_timeout_s)
+            for rank in range(local):
                 ours, theirs = context.Pipe()
-                proc = context.Process(target=worker_main, args=(spec, config, model_config, theirs, os.getpid()),
+                proc = context.Process(target=worker_main, args=(spec(rank), config, model_config, theirs, os.getpid()),
                                        name=f"engine-worker-{rank}", daemon=True)
                 proc.start()
                 theirs.close()
-                self.procs.append(proc)
-                self.conns.append(ours)
+                self.procs[rank], self.conns[rank] = proc, ours
+            if e.nnodes > 1:
+                self._accept_other_nodes(range(local, self.world_size), spec, config, model_config)
             self._replies("startup (joining the group, loading the weights)", STARTUP_TIMEOUT_S)
         except BaseException:
             self.shutdown()
             raise
+
+    def _accept_other_nodes(self, ranks: range, spec: Callable[[int], WorkerSpec], config: ResolvedConfig,
+                            model_config: ModelConfig) -> None:
+        """Each remote worker connects, names its rank, and gets what a spawned worker gets as arguments."""
+        addr, port, key = rendezvous()
+        listener = Listener((addr, port + CONTROL_PORT_OFFSET), authkey=key)
+
+        def accept() -> None:
+            for _ in ranks:
+                conn = listener.accept()
+                rank = conn.recv()
+                if rank not in ranks or self.conns[rank] is not None:
+                    conn.close()
+                    continue
+                conn.send((spec(rank), config, model_config))
+                self.conns[rank] = conn
+        thread = threading.Thread(target=accept, name="accept-workers", daemon=True)
+        thread.start()
+        thread.join(STARTUP_TIMEOUT_S)
+        listener.close()
+        missing = [r for r in ranks if self.conns[r] is None]
+        if missing:
+            raise EngineDeadError(f"ranks {missing} (other nodes) did not connect to {addr}:{port + CONTROL_PORT_OFFSET} "
+                                  f"within {STARTUP_TIMEOUT_S:g} s: is `python -m engine_core.distributed.launch` "
+                                  f"running there with the same MASTER_ADDR, MASTER_PORT, ENGINE_CORE_AUTHKEY?")
 
     # ---- the executor's calls ------------------------------------------------------------
     def determine_kv_cache_config(self) -> KVCacheConfig:
@@ -171,7 +218,7 @@ class MultiprocExecutor(Executor):
         """Every rank's result, waiting at most `timeout` seconds; any failure stops every worker."""
         results: list[Any] = [None] * self.world_size
         pending = dict(enumerate(self.conns))
-        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs) if p is not None}
         deadline = time.monotonic() + timeout
         while pending:
             left = deadline - time.monotonic()
@@ -197,6 +244,8 @@ class MultiprocExecutor(Executor):
 
     def _death(self, rank: int) -> str:
         proc = self.procs[rank]
+        if proc is None:
+            return f"worker {rank} (on another node) closed its connection"
         proc.join(1.0)  # a closed pipe comes a moment before the exit code
         code = proc.exitcode
         how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
@@ -210,9 +259,12 @@ class MultiprocExecutor(Executor):
         raise EngineDeadError(self._dead)
 
 
-def stop_workers(procs: list[Any], conns: list[Connection], grace_s: float = 5.0) -> None:
-    """Ask, then terminate, then kill; wait for each, so no process is left (the finalizer's body)."""
+def stop_workers(procs: list[Any], conns: list[Connection | None], grace_s: float = 5.0) -> None:
+    """Ask, then terminate, then kill; wait for each, so no process is left (the finalizer's body). A
+    remote worker gets the message and the closed connection; its node's launcher outlives it only briefly."""
     data = pickle.dumps(("shutdown", (), False))
+    procs = [p for p in procs if p is not None]
+    conns = [c for c in conns if c is not None]
     for conn in conns:
         try:
             conn.send_bytes(data)
