@@ -136,11 +136,6 @@ class ParallelContext:
                 setattr(total, k, getattr(total, k) + v)
         return total
 
-    @classmethod
-    def single(cls, num_layers: int) -> "ParallelContext":
-        """One process holding every layer (no group, no communication)."""
-        return cls(GroupCoordinator([0], 0), GroupCoordinator([0], 0), 0, num_layers)
-
 
 def output_rank(tp_size: int, pp_size: int) -> int:
     """The global rank of the last stage's TP rank 0."""
