@@ -4,7 +4,7 @@ and the processes a test leaves behind."""
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import psutil
 import torch
@@ -29,12 +29,14 @@ def stress_prompts(vocab_size: int) -> list[list[int]]:
     return [prefix + torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in (9, 14, 20, 25, 17, 28)]
 
 
-def engine_pair(preset: str, **parallel: int) -> Iterator[tuple[str, LLM, LLM, float]]:
+def engine_pair(preset: str, **parallel: Any) -> Iterator[tuple[str, LLM, LLM, float]]:
     """A module fixture's body: (preset, the one-process engine, the parallel one, its startup seconds)
-    with the STRESS settings; the parallel engine is shut down after, leaving no process."""
-    reference = LLM(preset, **STRESS)
+    with the STRESS settings (`parallel` may override them for both); the parallel engine is shut down
+    after, leaving no process."""
+    settings = {**STRESS, **{k: v for k, v in parallel.items() if k in STRESS}}
+    reference = LLM(preset, **settings)
     t0 = time.perf_counter()
-    llm = LLM(preset, **STRESS, **parallel)
+    llm = LLM(preset, **{**settings, **parallel})
     yield preset, reference, llm, time.perf_counter() - t0
     llm.shutdown()
     assert not child_processes()
