@@ -18,6 +18,9 @@ from kernels.fp8 import KV_CACHE_DTYPES, fp8_dtype
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's names (engine_core/core/request_queue.py)
 _ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+# vLLM's executor backends: "uni" (one process, the model in the engine's), "mp" (a worker process per
+# rank, engine_core/distributed); None picks "uni" for one rank and "mp" for more
+_EXECUTOR_BACKENDS = (None, "uni", "mp")
 _DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -67,7 +70,14 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Parallelism (docs/architecture.md#parallelism): tensor_parallel_size x pipeline_parallel_size worker
+    # processes; shapes the model must divide are checked before any process starts
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    # machines the ranks span (vLLM's nnodes): this engine is node 0; the others run
+    # `python -m engine_core.distributed.launch` (MASTER_ADDR, MASTER_PORT, NODE_RANK)
+    nnodes: int = 1
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
@@ -104,10 +114,7 @@ class EngineConfig:
         self.max_cpu_loras = check_int("max_cpu_loras", self.max_cpu_loras, self.max_loras, optional=True,
                                        hint=f"max_loras={self.max_loras}: the host cache holds every slot's adapter; "
                                             f"None = max_loras")
-        self.tensor_parallel_size = check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: the engine runs "
-                             f"on one device; use tensor_parallel_size=1")
+        self._check_parallel()
         if isinstance(self.device, torch.device):
             self.device = str(self.device)
         _need(isinstance(self.device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
@@ -115,6 +122,33 @@ class EngineConfig:
         self.dtype = check_choice("dtype", self.dtype, _DTYPES)
         self.attention_backend = check_choice("attention_backend", self.attention_backend, _ATTENTION_BACKENDS)
         self.seed = check_int("seed", self.seed, *SEED_RANGE)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def _check_parallel(self) -> None:
+        """Sizes, the backend, and the features a sharded engine does not have (refused, not ignored)."""
+        self.tensor_parallel_size = check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        self.pipeline_parallel_size = check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        self.nnodes = check_int("nnodes", self.nnodes, 1)
+        _need(self.world_size % self.nnodes == 0, "nnodes",
+              f"a divisor of tensor_parallel_size x pipeline_parallel_size = {self.world_size} (every node hosts as "
+              f"many ranks)", self.nnodes)
+        backend = self.distributed_executor_backend
+        _need(backend in _EXECUTOR_BACKENDS and (backend is None or isinstance(backend, str)),
+              "distributed_executor_backend", f"one of {list(_EXECUTOR_BACKENDS)}", backend)
+        if self.world_size == 1:
+            return
+        _need(backend != "uni", "distributed_executor_backend",
+              f"'mp' or None with tensor_parallel_size x pipeline_parallel_size = {self.world_size} > 1 ('uni' runs "
+              f"one process)", backend)
+        _need(not self.enable_lora, "enable_lora",
+              f"False with tensor_parallel_size x pipeline_parallel_size = {self.world_size} > 1 (adapter slots are "
+              f"not sharded yet)", self.enable_lora)
+        _need(self.kv_cache_dtype == "auto", "kv_cache_dtype",
+              f"'auto' with tensor_parallel_size x pipeline_parallel_size = {self.world_size} > 1 (fp8 scales are "
+              f"per layer and KV head of the whole model, not sharded yet)", self.kv_cache_dtype)
 
     def _check_kv_scales(self) -> None:
         """The fp8 scale options: booleans, a path that exists, one source at a time, an fp8 cache for any."""

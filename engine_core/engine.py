@@ -17,6 +17,11 @@ inside a step, gets EngineBusyError; only `abort_request` may come from any thre
 whose forward raises or whose logits are NaN finishes with finish_reason "error" and the others
 go on. A step is all-or-nothing: Ctrl-C is held until it ends (engine_core.interrupts), and a
 step that raises part-way is rolled back to a consistent state (`Scheduler.requeue_for_recompute`).
+
+The model runs behind an executor (engine_core.distributed): in this process
+(`UniProcExecutor`, `self.runner` is its runner) or sharded over tensor_parallel_size x
+pipeline_parallel_size worker processes (`MultiprocExecutor`; `self.runner` is None). `shutdown()`
+stops the workers; garbage collection and interpreter exit do too.
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ from typing import Any
 from engine_core.config import EngineConfig, KVCacheConfig, ResolvedConfig
 from engine_core.core.cost_model import PreemptionCostModel
 from engine_core.core.scheduler import Scheduler
+from engine_core.distributed.abstract import Executor
+from engine_core.distributed.executor import UniProcExecutor, get_executor_class
 from engine_core.guard import ThreadGuard, guarded
 from engine_core.lora.adapter import LoRAAdapter
 from engine_core.lora.request import LoRARequest
@@ -44,9 +51,11 @@ class LLMEngine:
         args = self.model_config.args
         self.config = ResolvedConfig.resolve(config, args.max_position_embeddings, self.model_config.checkpoint_dtype)
         args.check_max_model_len(self.config.max_model_len)
-        self.runner = ModelRunner(self.config, self.model_config)
-        self.kv_cache_config: KVCacheConfig = self.runner.determine_kv_cache_config()
-        self.runner.initialize_kv_cache(self.kv_cache_config)
+        self.executor: Executor = get_executor_class(self.config)(self.config, self.model_config)
+        # the model runner when it is in this process (the single-process engine), else None
+        self.runner: ModelRunner | None = self.executor.runner if isinstance(self.executor, UniProcExecutor) else None
+        self.kv_cache_config: KVCacheConfig = self.executor.determine_kv_cache_config()
+        self.executor.initialize_kv_cache(self.kv_cache_config)
         self.cost_model = PreemptionCostModel.for_device(
             self.model_config.args.model_spec(), self.config.kv_cache_dtype, self.config.device.type,
             config.prefill_flops_per_s, config.swap_bandwidth_bytes_per_s)
@@ -105,7 +114,7 @@ class LLMEngine:
                           lora_id=None if adapter is None else adapter.lora_int_id)
         self.scheduler.add_request(request)  # may reject (never fits the KV cache) before queuing
         if adapter is not None:
-            self.runner.lora.remember(lora_request, adapter)
+            self.executor.lora.remember(lora_request, adapter)
         self.requests[request_id] = (request, text)
         return request
 
@@ -114,7 +123,7 @@ class LLMEngine:
         """vLLM's `add_lora`: check an adapter folder and load it into the host cache ahead of its requests."""
         if not isinstance(lora_request, LoRARequest):
             fail("lora_request", "a LoRARequest", lora_request)
-        self.runner.lora.remember(lora_request, self._check_lora(lora_request))
+        self.executor.lora.remember(lora_request, self._check_lora(lora_request))
 
     def _check_lora(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
         """The adapter, read and checked (engine_core.lora.adapter) but not yet remembered: a request
@@ -123,11 +132,11 @@ class LLMEngine:
             return None
         if not isinstance(lora_request, LoRARequest):
             fail("lora_request", "a LoRARequest or None", lora_request)
-        if self.runner.lora is None:
+        if self.executor.lora is None:
             raise ValueError(f"lora_request {lora_request.lora_name!r} given, but the engine was built with "
                              f"enable_lora=False; pass enable_lora=True (with max_loras, max_lora_rank) to serve "
                              f"adapters")
-        return self.runner.lora.check(lora_request)
+        return self.executor.lora.check(lora_request)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids in [0, vocab_size))."""
@@ -197,7 +206,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         before = self.scheduler.make_stats()
         scheduler_output = self.scheduler.schedule()
-        model_runner_output = self.runner.execute_model(scheduler_output)
+        model_runner_output = self.executor.execute_model(scheduler_output)
         reported = self.scheduler.update_from_output(scheduler_output, model_runner_output)
         if self._report_stragglers:  # finished by a failed step, not yet reported
             self._report_stragglers = False
@@ -217,7 +226,7 @@ class LLMEngine:
         blocks (Scheduler.requeue_for_recompute), the runner's block tables and adapter slots forgotten to
         match, and the requests the step finished but did not report left for the next step to report."""
         self.scheduler.requeue_for_recompute()
-        self.runner.forget_all_requests()
+        self.executor.forget_all_requests()
         self.scheduler.counters.num_failed_steps += 1
         self._report_stragglers = True
 
@@ -231,8 +240,13 @@ class LLMEngine:
                              request.metrics, request.num_cached_tokens, request.error)
 
     def stats(self) -> dict[str, float]:
-        """The engine's numbers now (engine_core.metrics.stat_docs() says what each means)."""
-        return self.scheduler.stats()
+        """The engine's numbers now (engine_core.metrics.stat_docs() says what each means); a parallel
+        engine adds its workers' communication, summed over the ranks (`comm_*`: COMM_STAT_DOCS)."""
+        return {**self.scheduler.stats(), **{f"comm_{k}": v for k, v in self.executor.comm_stats().items()}}
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel engine (nothing to stop with one process); idempotent."""
+        self.executor.shutdown()
 
     def prometheus_metrics(self) -> str:
         """The same numbers in Prometheus' text format, with vLLM's metric names and histograms."""

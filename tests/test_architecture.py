@@ -84,10 +84,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kernels",),  # the ops library: imports nothing of the engine
     ("engine_core.validation", "engine_core.prompts", "engine_core.interrupts", "engine_core.guard",
      "engine_core.request", "engine_core.outputs", "engine_core.metrics", "engine_core.memory",
-     "engine_core.presets", "engine_core.presets_real", "engine_core.cache", "engine_core.config"),  # leaves every layer above uses
+     "engine_core.presets", "engine_core.presets_real", "engine_core.cache", "engine_core.config",
+     "engine_core.distributed.parallel_state"),  # leaves every layer above uses (process groups: torch only)
     ("engine_core.core", "engine_core.models"),  # the scheduler and its KV bookkeeping; the model and its layers
     ("engine_core.lora",),
     ("engine_core.worker",),
+    ("engine_core.distributed",),  # executors and worker processes (its parallel_state is a leaf)
     ("engine_core.engine",),
     ("engine_core.entrypoints", "engine_core.calibrate"),
     ("engine_core",),  # the package's facade (engine_core/__init__.py)

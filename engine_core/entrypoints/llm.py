@@ -97,6 +97,11 @@ class LLM:
             out.prompt = text
         return outputs
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a parallel engine (tensor/pipeline_parallel_size > 1); garbage
+        collection and interpreter exit do it too."""
+        self.engine.shutdown()
+
     @property
     def guard(self) -> ThreadGuard:
         return self.engine.guard

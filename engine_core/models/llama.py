@@ -7,6 +7,13 @@ Weights are fused at load time (q|k|v into one matmul, gate|up into another): fe
 GEMMs. The forward takes the batch metadata explicitly: `forward(input_ids, positions, kv_cache,
 attn_metadata)` over one flat varlen batch of tokens. Every projection is a `models.linear.Linear`:
 the GEMM, plus each row's LoRA delta when the step has adapters (`attn_metadata.lora`).
+
+With a `ParallelContext` (a worker of a parallel engine) the model holds one TP rank's shard of one
+pipeline stage: its query/KV heads, MLP columns and vocab rows (models/parallel_linear.py), and the
+stage's layers (`start_layer:end_layer`, whose KV caches the stage's `PagedKVCache` numbers from 0). A
+stage after the first receives the hidden state instead of embedding tokens; one before the last
+sends it on and returns None. The residual is folded into the hidden state (each layer returns
+residual + its output), so that one tensor is all a stage hands the next.
 """
 from __future__ import annotations
 
@@ -19,10 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_core.models.attention import AttentionMetadata, AttentionPlan, PagedKVCache
+from engine_core.distributed.parallel_state import GroupCoordinator, ParallelContext
 from engine_core.models.config import LlamaArgs
 from engine_core.models.linear import Linear
 from engine_core.models.loader import CheckpointReader
 from engine_core.models.lora import LoRAMapping
+from engine_core.models.parallel_linear import (ParallelLMHead, RowParallelLinear, TPShard, VocabParallelEmbedding,
+                                                head_rows)
 
 
 def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
@@ -65,20 +75,36 @@ def _param(t: torch.Tensor | None) -> nn.Parameter | None:
     return None if t is None else nn.Parameter(t, requires_grad=False)
 
 
-def _linear(ckpt: CheckpointReader, names: list[str], bias: bool) -> Linear:
-    """One Linear over the checkpoint matrices `names` stacked along the output dimension."""
-    weight = torch.cat([ckpt.get(f"{n}.weight") for n in names])
-    return Linear(_param(weight), _param(torch.cat([ckpt.get(f"{n}.bias") for n in names])) if bias else None)
+def _linear(ckpt: CheckpointReader, names: list[str], bias: bool, rows: list[slice] | None = None) -> Linear:
+    """One Linear over the checkpoint matrices `names` stacked along the output dimension; with `rows`,
+    only those rows of each (a column-parallel shard)."""
+    rows = rows or [slice(None)] * len(names)
+    weight = torch.cat([ckpt.get(f"{n}.weight")[r] for n, r in zip(names, rows)])
+    return Linear(_param(weight), _param(torch.cat([ckpt.get(f"{n}.bias")[r] for n, r in zip(names, rows)]))
+                  if bias else None)
+
+
+def _row_linear(ckpt: CheckpointReader, name: str, bias: bool, tp: TPShard | None, cols: slice) -> Linear:
+    """The output projection `name`: whole, or (tp) the input columns `cols` with an all-reduce."""
+    if tp is None:
+        return _linear(ckpt, [name], bias)
+    weight = _param(ckpt.get(f"{name}.weight")[:, cols].contiguous())
+    return RowParallelLinear(weight, _param(ckpt.get(f"{name}.bias")) if bias else None, tp.group)
 
 
 class Attention(nn.Module):
-    def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, prefix: str, layer_idx: int) -> None:
+    def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, prefix: str, layer_idx: int,
+                 tp: TPShard | None = None) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.layer_idx = layer_idx  # of its stage's KV cache
+        d = args.head_dim
+        q, kv = tp.heads(args.num_heads, args.num_kv_heads) if tp else (slice(0, args.num_heads),
+                                                                         slice(0, args.num_kv_heads))
+        self.num_heads, self.num_kv_heads, self.head_dim = q.stop - q.start, kv.stop - kv.start, d
         self.scale = args.head_dim ** -0.5
-        self.qkv_proj = _linear(ckpt, [f"{prefix}.{p}_proj" for p in "qkv"], args.qkv_bias)
-        self.o_proj = _linear(ckpt, [f"{prefix}.o_proj"], args.o_bias)
+        self.qkv_proj = _linear(ckpt, [f"{prefix}.{p}_proj" for p in "qkv"], args.qkv_bias,
+                                [head_rows(q, d), head_rows(kv, d), head_rows(kv, d)] if tp else None)
+        self.o_proj = _row_linear(ckpt, f"{prefix}.o_proj", args.o_bias, tp, head_rows(q, d))
         self.q_norm = RMSNorm(ckpt.get(f"{prefix}.q_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(ckpt.get(f"{prefix}.k_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
 
@@ -129,10 +155,12 @@ class Rope:
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
 
-    def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, prefix: str) -> None:
+    def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, prefix: str, tp: TPShard | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = _linear(ckpt, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], args.mlp_bias)
-        self.down_proj = _linear(ckpt, [f"{prefix}.down_proj"], args.mlp_bias)
+        cols = tp.even(args.intermediate_size) if tp else slice(None)
+        self.gate_up_proj = _linear(ckpt, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], args.mlp_bias,
+                                    [cols, cols] if tp else None)
+        self.down_proj = _row_linear(ckpt, f"{prefix}.down_proj", args.mlp_bias, tp, cols)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor,
                 silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -146,13 +174,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, i: int) -> None:
+    def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, i: int, kv_index: int | None = None,
+                 tp: TPShard | None = None) -> None:
+        """Checkpoint layer `i`; `kv_index`: its layer of the KV cache (i unless a later pipeline stage)."""
         super().__init__()
         p = f"model.layers.{i}"
         self.input_norm = RMSNorm(ckpt.get(f"{p}.input_layernorm.weight"), args.rms_norm_eps)
-        self.attn = Attention(args, ckpt, f"{p}.self_attn", i)
+        self.attn = Attention(args, ckpt, f"{p}.self_attn", i if kv_index is None else kv_index, tp)
         self.post_attn_norm = RMSNorm(ckpt.get(f"{p}.post_attention_layernorm.weight"), args.rms_norm_eps)
-        self.mlp = MLP(args, ckpt, f"{p}.mlp")
+        self.mlp = MLP(args, ckpt, f"{p}.mlp", tp)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: PagedKVCache, plan: AttentionPlan,
                 only_output_rows: bool = False) -> torch.Tensor:
@@ -168,39 +198,72 @@ class LlamaForCausalLM(nn.Module):
     `attn_metadata.output_rows` is set, of those rows only (the ones that emit a token), which
     skips the last layer's attention and MLP for every other row. `compute_logits` is the LM head."""
 
-    def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, max_positions: int) -> None:
+    def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, max_positions: int,
+                 parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.args = args
-        self.embed = _param(ckpt.get("model.embed_tokens.weight"))
-        self.layers = nn.ModuleList(DecoderLayer(args, ckpt, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(ckpt.get("model.norm.weight"), args.rms_norm_eps)
-        if args.tie_word_embeddings and not ckpt.has("lm_head.weight"):
-            self.lm_head = self.embed
-        else:
-            self.lm_head = _param(ckpt.get("lm_head.weight"))
-        self.lm_head_proj = Linear(self.lm_head)
+        tp = TPShard(parallel.tp) if parallel is not None and parallel.tp.world_size > 1 else None
+        self.tp = tp
+        # the pipeline group when there are stages; the first stage embeds, the last norms and samples
+        self.pp: GroupCoordinator | None = parallel.pp if parallel is not None and parallel.pp.world_size > 1 else None
+        self.is_first_stage = self.pp is None or self.pp.is_first_rank
+        self.is_last_stage = self.pp is None or self.pp.is_last_rank
+        self.start_layer, end = (0, args.num_layers) if parallel is None else (parallel.start_layer, parallel.end_layer)
+        tied = args.tie_word_embeddings and not ckpt.has("lm_head.weight")
+        self.embed = self.vocab_embed = self.lm_head = self.lm_head_proj = None
+        if self.is_first_stage or (self.is_last_stage and tied):
+            self.embed = _param(self._vocab_rows(ckpt.get("model.embed_tokens.weight")))
+        if self.is_first_stage and tp is not None:
+            self.vocab_embed = VocabParallelEmbedding(self.embed, args.vocab_size, tp.group)
+        self.layers = nn.ModuleList(DecoderLayer(args, ckpt, i, i - self.start_layer, tp)
+                                    for i in range(self.start_layer, end))
+        if self.is_last_stage:
+            self.norm = RMSNorm(ckpt.get("model.norm.weight"), args.rms_norm_eps)
+            self.lm_head = self.embed if tied else _param(self._vocab_rows(ckpt.get("lm_head.weight")))
+            self.lm_head_proj = Linear(self.lm_head) if tp is None else ParallelLMHead(self.lm_head, args.vocab_size,
+                                                                                       tp.group)
         # cos/sin for every position once, as Hugging Face computes them: (pos * inv_freq).cos()
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(args)[None, :]
-        self.register_buffer("cos", freqs.cos().to(device=self.embed.device, dtype=self.embed.dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(device=self.embed.device, dtype=self.embed.dtype), persistent=False)
+        self.register_buffer("cos", freqs.cos().to(device=ckpt.device, dtype=ckpt.dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(device=ckpt.device, dtype=ckpt.dtype), persistent=False)
+
+    def _vocab_rows(self, full: torch.Tensor) -> torch.Tensor:
+        return full if self.tp is None else VocabParallelEmbedding.shard(full, self.tp.group)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this model's share of the KV cache holds per layer (its TP rank's)."""
+        return self.layers[0].attn.num_kv_heads
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed)
+                attn_metadata: AttentionMetadata) -> torch.Tensor | None:
+        """The final hidden states (see the class docstring), or None on a pipeline stage before the last."""
+        if not self.is_first_stage:
+            x = self.pp.recv_prev((input_ids.shape[0], self.args.hidden_size), self.cos.dtype, self.cos.device)
+        elif self.vocab_embed is not None:
+            x = self.vocab_embed(input_ids)
+        else:
+            x = F.embedding(input_ids, self.embed)
         plan = AttentionPlan(attn_metadata, x.device, x.dtype)  # the step's kernels, picked once
         rope = Rope(self.cos, self.sin, positions, plan.ops.rotary_embedding)
-        only_output_rows = attn_metadata.output_rows is not None
+        only_output_rows = attn_metadata.output_rows is not None and self.is_last_stage
         for layer in self.layers[:-1]:
             x = layer(x, rope, kv_cache, plan)
         x = self.layers[-1](x, rope, kv_cache, plan, only_output_rows)
+        if not self.is_last_stage:
+            self.pp.send_next(x)
+            return None
         return self.norm(x, plan.ops.rms_norm)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head_proj(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """fp32 logits `[rows, vocab]`; None on a TP rank other than 0 (rank 0 gathered them to sample)."""
+        logits = self.lm_head_proj(hidden)
+        return None if logits is None else logits.float()
 
 
 def load_model(folder: str | Path, args: LlamaArgs, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> LlamaForCausalLM:
-    """Build the model from `folder`'s safetensors; `args` is its parsed config.json."""
+               max_positions: int, parallel: ParallelContext | None = None) -> LlamaForCausalLM:
+    """Build the model from `folder`'s safetensors; `args` is its parsed config.json; `parallel`: the
+    worker's shard (None: the whole model)."""
     ckpt = CheckpointReader(folder, dtype, device)
-    return LlamaForCausalLM(args, ckpt, max_positions).eval()
+    return LlamaForCausalLM(args, ckpt, max_positions, parallel).eval()

@@ -16,9 +16,16 @@ index arithmetic, choose flash-decoding's split count for the decode-op calls
 run the model, and compute logits only for the rows whose chunk reaches the end of its request. Decode-only batches on CUDA replay CUDA graphs (batches without LoRA
 adapters; with `enable_lora` the LoRAManager gives the step's adapters slots and the rows a
 slot mapping, `attn_metadata.lora`).
+
+In a worker of a parallel engine (`parallel`, engine_core/distributed) the runner holds one shard: the
+model's heads and layers of its rank, a KV cache of those only (sized by the shard's bytes per block),
+and it samples only where the model returns logits (the last stage's TP rank 0). A forward that
+raises there is not retried request by request (the ranks would no longer meet in the same
+collectives): the error ends the step, and the engine stops every worker.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +35,7 @@ from engine_core import memory
 from engine_core.config import KVCacheConfig, ResolvedConfig
 from engine_core.core.kv_cache_manager import cdiv
 from engine_core.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from engine_core.distributed.parallel_state import ParallelContext
 from engine_core.lora.manager import LoRAManager
 from engine_core.models.attention import AttentionMetadata
 from engine_core.models.config import ModelConfig
@@ -53,8 +61,10 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, config: ResolvedConfig, model_config: ModelConfig) -> None:
+    def __init__(self, config: ResolvedConfig, model_config: ModelConfig,
+                 parallel: ParallelContext | None = None) -> None:
         self.config = config
+        self.parallel = parallel  # None: one process holds the whole model
         self.model_config = model_config
         self.device = config.device
         self.block_size = config.engine.block_size
@@ -68,7 +78,7 @@ class ModelRunner:
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else 0  # flash-decoding's split policy; 0: never split
         self.model: LlamaForCausalLM = load_model(model_config.path, model_config.args, config.dtype, config.device,
-                                                  max_positions=config.max_model_len)
+                                                  max_positions=config.max_model_len, parallel=parallel)
         self.lora = LoRAManager(self.model, model_config.args, config, self.attention_backend) \
             if config.engine.enable_lora else None
         self.sampler = Sampler(config.engine.seed)
@@ -81,8 +91,9 @@ class ModelRunner:
         """Blocks on the device (explicit, or the budget over the bytes of one block) and in the swap
         pool (`swap_space` GiB, capped at the device's count: a larger pool could never fill)."""
         engine = self.config.engine
-        block_bytes = memory.kv_cache_bytes_per_token(self.model_config.args.model_spec(),
-                                                      self.config.kv_cache_dtype) * self.block_size
+        spec = dataclasses.replace(self.model_config.args.model_spec(), num_layers=len(self.model.layers),
+                                   num_kv_heads=self.model.num_kv_heads)  # this rank's share of the cache
+        block_bytes = memory.kv_cache_bytes_per_token(spec, self.config.kv_cache_dtype) * self.block_size
         num_gpu_blocks = engine.num_gpu_blocks or self._budget_bytes() // block_bytes
         if num_gpu_blocks < 1:
             raise ValueError(f"no room for the KV cache: a budget of {self._budget_bytes()} bytes holds no block of "
@@ -141,7 +152,7 @@ class ModelRunner:
 
     def _new_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> KVCache:
         args, engine = self.model_config.args, self.config.engine
-        return KVCache(args.num_layers, num_gpu_blocks, self.block_size, args.num_kv_heads, args.head_dim,
+        return KVCache(len(self.model.layers), num_gpu_blocks, self.block_size, self.model.num_kv_heads, args.head_dim,
                        self.config.dtype, self.device, engine.kv_cache_dtype, num_cpu_blocks,
                        engine.kv_scales_per_head)
 
@@ -180,6 +191,8 @@ class ModelRunner:
         try:
             return self._run(chunks, rows)
         except Exception as error:
+            if self.parallel is not None:  # every rank would have to retry in step: the engine stops instead
+                raise
             self._distrust_lora_slots()
             if len(chunks) == 1:
                 return ModelRunnerOutput(failed={chunks[0].request.request_id: _fault(chunks[0], error)})
@@ -213,9 +226,11 @@ class ModelRunner:
         if self.lora is not None:
             batch.attn_metadata.lora = self.lora.prepare(chunks, batch.attn_metadata)
         hidden = self._forward(batch)
-        if not batch.emitting:  # only mid-prompt chunks this step
+        if not batch.emitting or hidden is None:  # only mid-prompt chunks; or a pipeline stage before the last
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden)  # the forward returned only the emitting rows
+        if logits is None:  # a TP rank other than 0: rank 0 gathered the logits and samples
+            return ModelRunnerOutput()
         out = ModelRunnerOutput()
         for request, token in zip(batch.emitting, self.sampler(logits, batch.emitting)):
             if token == INVALID_TOKEN:

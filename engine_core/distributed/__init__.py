@@ -1,0 +1,1 @@
+"""Tensor and pipeline parallelism: process groups, the executor, the worker processes."""

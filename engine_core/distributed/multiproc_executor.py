@@ -1,0 +1,284 @@
+"""`MultiprocExecutor`: tensor_parallel_size x pipeline_parallel_size worker processes on this machine
+(torch.multiprocessing spawn; gloo on CPU, NCCL on CUDA; the group meets on a free port of 127.0.0.1).
+
+The engine keeps the one scheduler. Each step its `SchedulerOutput` is pickled once and the same bytes
+go down every worker's pipe, so every rank applies the same block ids, preemptions and finished
+requests; every rank runs its shard of the forward (TP all-reduces inside a stage, hidden states
+sent stage to stage), and the last stage's TP rank 0 samples: its `ModelRunnerOutput` is the step's.
+The engine waits for every rank's reply (the others reply None), so a rank that fails is noticed in
+the step it fails.
+
+Failure: a worker that raises (its traceback comes back), dies (its process sentinel fires) or does
+not reply within `step_timeout_s` stops every worker and raises `EngineDeadError` naming the rank;
+every later call raises it again. `shutdown()`, garbage collection of the executor and interpreter
+exit (a `weakref.finalize`) stop the workers: a "shutdown" message, then terminate, then kill.
+Ctrl-C reaches only the engine (workers ignore it); a second Ctrl-C inside a step (the first is held
+until the step ends) leaves the ranks' replies unread, so the executor stops them too.
+
+Several machines (`nnodes` > 1; docs/architecture.md#parallelism has the commands): the group meets by
+`env://` (MASTER_ADDR, MASTER_PORT), this engine spawns node 0's ranks, and each other node's ranks
+(started by `python -m engine_core.distributed.launch`) connect to the engine on MASTER_PORT + 1,
+authenticated by ENGINE_CORE_AUTHKEY (multiprocessing's HMAC handshake); a TCP connection then
+stands in for the pipe (a closed connection is a dead worker: no process sentinel across machines).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection, Listener, wait
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from engine_core.config import KVCacheConfig, ResolvedConfig
+from engine_core.core.scheduler_output import SchedulerOutput
+from engine_core.distributed.abstract import Executor
+from engine_core.distributed.parallel_state import output_rank
+from engine_core.distributed.worker import WorkerSpec, worker_main
+from engine_core.models.config import LlamaArgs, ModelConfig
+from engine_core.outputs import ModelRunnerOutput
+
+STARTUP_TIMEOUT_S = float(os.environ.get("ENGINE_CORE_WORKER_STARTUP_TIMEOUT_S", 600))
+STEP_TIMEOUT_S = float(os.environ.get("ENGINE_CORE_WORKER_STEP_TIMEOUT_S", 300))
+CONTROL_PORT_OFFSET = 1  # the engine listens for other nodes' workers on MASTER_PORT + 1
+
+
+def rendezvous() -> tuple[str, int, bytes]:
+    """(MASTER_ADDR, MASTER_PORT, ENGINE_CORE_AUTHKEY) of a multi-node run, each checked."""
+    addr, port, key = (os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "ENGINE_CORE_AUTHKEY"))
+    if not addr or not port.isdigit() or not key:
+        raise ValueError(f"nnodes > 1 needs MASTER_ADDR, MASTER_PORT (an int) and ENGINE_CORE_AUTHKEY (a shared "
+                         f"secret) in the environment of every node; got MASTER_ADDR={addr!r}, MASTER_PORT={port!r}, "
+                         f"ENGINE_CORE_AUTHKEY {'set' if key else 'unset'}")
+    return addr, int(port), key.encode()
+
+
+class EngineDeadError(RuntimeError):
+    """A worker failed; the parallel engine has stopped every worker and cannot run another step."""
+
+
+def check_parallel(config: ResolvedConfig, args: LlamaArgs) -> None:
+    """What the model and the machine must allow, checked before any process starts."""
+    e = config.engine
+    tp, pp, world = e.tensor_parallel_size, e.pipeline_parallel_size, e.world_size // e.nnodes  # on this node
+    if e.nnodes > 1:
+        rendezvous()
+    for name, n in (("num_attention_heads", args.num_heads), ("intermediate_size", args.intermediate_size)):
+        if n % tp:
+            raise ValueError(f"tensor_parallel_size={tp} must divide the model's {name}={n}")
+    kv = args.num_kv_heads
+    if (tp <= kv and kv % tp) or (tp > kv and tp % kv):
+        raise ValueError(f"tensor_parallel_size={tp} must divide the model's num_key_value_heads={kv} or be a "
+                         f"multiple of it (then each KV head is replicated on tensor_parallel_size / {kv} ranks)")
+    if pp > args.num_layers:
+        raise ValueError(f"pipeline_parallel_size={pp} must be <= the model's num_hidden_layers={args.num_layers} "
+                         f"(every stage holds at least one layer)")
+    if config.device.type == "cuda":
+        first = config.device.index or 0
+        if first + world > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {world} ranks need CUDA devices "
+                             f"{first}..{first + world - 1}; this machine has {torch.cuda.device_count()}")
+        if not e.enforce_eager:
+            raise ValueError("enforce_eager must be True with tensor_parallel_size x pipeline_parallel_size > 1 "
+                             "(CUDA graphs are not captured around collectives yet)")
+        return
+    if config.dtype != torch.float32:
+        raise ValueError(f"dtype must be 'float32' (or 'auto') for a parallel engine on CPU, got {config.dtype}: "
+                         f"gloo has no bfloat16 all_reduce (pytorch #111131), and fp16 is untested here")
+    cores = os.cpu_count() or 1
+    if world > cores:
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {world} worker processes need at least "
+                         f"one CPU core each; this machine has {cores}")
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 free now (another process may take it before the group binds it: rare)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: ResolvedConfig, model_config: ModelConfig) -> None:
+        check_parallel(config, model_config.args)
+        e = config.engine
+        self.world_size, local = e.world_size, e.world_size // e.nnodes
+        self.output_rank = output_rank(e.tensor_parallel_size, e.pipeline_parallel_size)
+        self.step_timeout_s = STEP_TIMEOUT_S
+        self._dead: str | None = None
+        self._comm: list[dict[str, float]] = [{} for _ in range(self.world_size)]
+        context = mp.get_context("spawn")
+        init_method = "env://" if e.nnodes > 1 else f"tcp://127.0.0.1:{free_port()}"
+        self.procs: list[Any] = [None] * self.world_size  # None: a rank on another node
+        self.conns: list[Connection | None] = [None] * self.world_size
+        self._finalizer = weakref.finalize(self, stop_workers, self.procs, self.conns)
+
+        def spec(rank: int) -> WorkerSpec:
+            return WorkerSpec(rank, e.tensor_parallel_size, e.pipeline_parallel_size, init_method,
+                              local_rank=rank % local, local_world_size=local, collective_timeout_s=self.step_timeout_s)
+        try:
+            for rank in range(local):
+                ours, theirs = context.Pipe()
+                proc = context.Process(target=worker_main, args=(spec(rank), config, model_config, theirs, os.getpid()),
+                                       name=f"engine-worker-{rank}", daemon=True)
+                proc.start()
+                theirs.close()
+                self.procs[rank], self.conns[rank] = proc, ours
+            if e.nnodes > 1:
+                self._accept_other_nodes(range(local, self.world_size), spec, config, model_config)
+            self._replies("startup (joining the group, loading the weights)", STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _accept_other_nodes(self, ranks: range, spec: Callable[[int], WorkerSpec], config: ResolvedConfig,
+                            model_config: ModelConfig) -> None:
+        """Each remote worker connects, names its rank, and gets what a spawned worker gets as arguments."""
+        addr, port, key = rendezvous()
+        listener = Listener((addr, port + CONTROL_PORT_OFFSET), authkey=key)
+
+        def accept() -> None:
+            for _ in ranks:
+                conn = listener.accept()
+                rank = conn.recv()
+                if rank not in ranks or self.conns[rank] is not None:
+                    conn.close()
+                    continue
+                conn.send((spec(rank), config, model_config))
+                self.conns[rank] = conn
+        thread = threading.Thread(target=accept, name="accept-workers", daemon=True)
+        thread.start()
+        thread.join(STARTUP_TIMEOUT_S)
+        listener.close()
+        missing = [r for r in ranks if self.conns[r] is None]
+        if missing:
+            raise EngineDeadError(f"ranks {missing} (other nodes) did not connect to {addr}:{port + CONTROL_PORT_OFFSET} "
+                                  f"within {STARTUP_TIMEOUT_S:g} s: is `python -m engine_core.distributed.launch` "
+                                  f"running there with the same MASTER_ADDR, MASTER_PORT, ENGINE_CORE_AUTHKEY?")
+
+    # ---- the executor's calls ------------------------------------------------------------
+    def determine_kv_cache_config(self) -> KVCacheConfig:
+        """The fewest blocks any rank has room for: the scheduler's block ids must exist on every rank.
+        `block_bytes` is the largest rank's (a pipeline stage may hold one layer more than another)."""
+        configs: list[KVCacheConfig] = self._call("determine_kv_cache_config", (), every_rank_replies=True)
+        return KVCacheConfig(min(c.num_gpu_blocks for c in configs), min(c.num_cpu_blocks for c in configs),
+                             max(c.block_bytes for c in configs))
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self._call("initialize_kv_cache", (kv_cache_config,))
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call("execute_model", (scheduler_output,))[self.output_rank]
+
+    def forget_all_requests(self) -> None:
+        if self._dead is None:  # after a worker failure there is nothing left to forget
+            self._call("forget_all_requests", ())
+
+    def collective_rpc(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """`fn` must be importable by the workers (a module-level function): it is pickled by name."""
+        return self._call(fn, args, every_rank_replies=True)
+
+    def comm_stats(self) -> dict[str, float]:
+        total: dict[str, float] = {}
+        for rank_stats in self._comm:
+            for k, v in rank_stats.items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    # ---- messages ------------------------------------------------------------------------
+    def _call(self, method: str | Callable[..., Any], args: tuple, every_rank_replies: bool = False) -> list[Any]:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
+        data = pickle.dumps((method, args, every_rank_replies))
+        try:
+            for rank, conn in enumerate(self.conns):
+                try:
+                    conn.send_bytes(data)
+                except (BrokenPipeError, OSError):
+                    self._fail(f"{name}: {self._death(rank)}")
+            return self._replies(name, self.step_timeout_s)
+        except EngineDeadError:
+            raise
+        except BaseException:  # interrupted while the ranks work: their replies would answer the next call
+            self._dead = f"{name} was interrupted before every worker replied; the workers were stopped"
+            self.shutdown()
+            raise
+
+    def _replies(self, what: str, timeout: float) -> list[Any]:
+        """Every rank's result, waiting at most `timeout` seconds; any failure stops every worker."""
+        results: list[Any] = [None] * self.world_size
+        pending = dict(enumerate(self.conns))
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs) if p is not None}
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            ready = wait([*pending.values(), *sentinels], timeout=left) if left > 0 else []
+            if not ready:
+                self._fail(f"{what}: no reply from worker(s) {sorted(pending)} within {timeout:g} s (hung or too "
+                           f"slow; ENGINE_CORE_WORKER_STEP_TIMEOUT_S sets the limit)")
+            for rank, conn in list(pending.items()):  # replies first: an error says more than the exit code
+                if conn not in ready:
+                    continue
+                try:
+                    status, result, comm = conn.recv()
+                except (EOFError, OSError):
+                    self._fail(f"{what}: {self._death(rank)}")
+                if status == "error":
+                    self._fail(f"{what}: worker {rank} raised:\n{result}")
+                results[rank], self._comm[rank] = result, comm
+                del pending[rank]
+            for sentinel in ready:
+                if sentinel in sentinels:
+                    self._fail(f"{what}: {self._death(sentinels[sentinel])}")
+        return results
+
+    def _death(self, rank: int) -> str:
+        proc = self.procs[rank]
+        if proc is None:
+            return f"worker {rank} (on another node) closed its connection"
+        proc.join(1.0)  # a closed pipe comes a moment before the exit code
+        code = proc.exitcode
+        how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
+               f"exit code {code}" if code is not None else "its pipe closed")
+        return f"worker {rank} (pid {proc.pid}) died ({how})"
+
+    def _fail(self, message: str) -> None:
+        self._dead = f"the parallel engine stopped: {message}"
+        if self._finalizer.detach() is not None:  # the surviving ranks may wait in a collective: no long grace
+            stop_workers(self.procs, self.conns, grace_s=0.5)
+        raise EngineDeadError(self._dead)
+
+
+def stop_workers(procs: list[Any], conns: list[Connection | None], grace_s: float = 5.0) -> None:
+    """Ask, then terminate, then kill; wait for each, so no process is left (the finalizer's body). A
+    remote worker gets the message and the closed connection; its node's launcher outlives it only briefly."""
+    data = pickle.dumps(("shutdown", (), False))
+    procs = [p for p in procs if p is not None]
+    conns = [c for c in conns if c is not None]
+    for conn in conns:
+        try:
+            conn.send_bytes(data)
+        except (BrokenPipeError, OSError):
+            pass
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()

@@ -1,0 +1,88 @@
+"""A parallel engine never hangs on a worker: a killed worker and a hung one each end the engine with an
+EngineDeadError naming the rank within the step timeout, and the other workers are stopped (psutil's
+view of this process's children, multiprocessing's shared resource tracker aside); an engine process
+killed outright (no finalizer runs) leaves no worker either."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from engine_core import LLM
+from engine_core.distributed.multiproc_executor import EngineDeadError
+from parallel_helpers import child_processes
+
+pytestmark = pytest.mark.timeout(600)
+ROOT = Path(__file__).resolve().parent.parent
+TP2 = dict(tensor_parallel_size=2, num_gpu_blocks=32)
+
+
+def sleep_on_rank_1(runner, seconds: float) -> None:
+    if runner.parallel.rank == 1:
+        time.sleep(seconds)
+
+
+def test_a_killed_worker_ends_the_engine_with_a_clear_error():
+    llm = LLM("tiny-llama", **TP2)
+    victim = llm.engine.executor.procs[1]
+    os.kill(victim.pid, signal.SIGKILL)
+    t0 = time.perf_counter()
+    with pytest.raises(EngineDeadError, match=rf"worker 1 \(pid {victim.pid}\) died \(killed by SIGKILL\)"):
+        llm.generate([[5, 6, 7]], use_tqdm=False)
+    assert time.perf_counter() - t0 < 10
+    assert not child_processes()
+    with pytest.raises(EngineDeadError, match="SIGKILL"):
+        llm.generate([[5, 6, 7]], use_tqdm=False)
+
+
+def test_a_hung_worker_times_out():
+    llm = LLM("tiny-llama", **TP2)
+    llm.engine.executor.collective_rpc(sleep_on_rank_1, 0.0)  # the workers import this module once
+    llm.engine.executor.step_timeout_s = 2.0
+    t0 = time.perf_counter()
+    with pytest.raises(EngineDeadError, match=r"no reply from worker\(s\) \[1\] within 2 s"):
+        llm.engine.executor.collective_rpc(sleep_on_rank_1, 60.0)
+    assert time.perf_counter() - t0 < 10
+    assert not child_processes()
+
+
+ENGINE_SCRIPT = """
+import time
+from engine_core import LLM
+if __name__ == "__main__":
+    llm = LLM("tiny-llama", tensor_parallel_size=2, num_gpu_blocks=32)
+    print(*[p.pid for p in llm.engine.executor.procs], flush=True)
+    time.sleep(600)
+"""
+
+
+def test_workers_exit_when_the_engine_process_is_killed(tmp_path):
+    """SIGKILL runs no finalizer: each worker's watchdog sees its parent gone and exits."""
+    script = tmp_path / "engine.py"
+    script.write_text(ENGINE_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(psutil.pid_exists(pid) for pid in pids)
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
