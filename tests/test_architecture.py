@@ -83,7 +83,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kernels",),  # the ops library: imports nothing of the engine
     ("engine_core.validation", "engine_core.prompts", "engine_core.interrupts", "engine_core.guard",
      "engine_core.request", "engine_core.outputs", "engine_core.metrics", "engine_core.memory",
-     "engine_core.presets", "engine_core.config"),  # leaves every layer above uses
+     "engine_core.presets", "engine_core.config", "engine_core.spec_decode"),  # leaves every layer above uses
     ("engine_core.core", "engine_core.models"),  # the scheduler and its KV bookkeeping; the model and its layers
     ("engine_core.lora",),
     ("engine_core.worker",),

@@ -8,12 +8,14 @@ target's distribution p_j for the token after the request's tokens and d_1..d_j.
 - random: accept d_{j+1} with probability min(1, p_j(d) / q_j(d)); at the first rejection emit a sample of
   normalize(max(p_j - q_j, 0)); when all k are accepted, a bonus sample of p_k. Each emitted token then has
   the target's distribution given the tokens before it. An n-gram draft is a deterministic guess, q one-hot
-  on the draft token: acceptance is p(d), the residual is p with d removed.
+  on the draft token: acceptance is p(d), the residual is p with d removed. That is what comparing the
+  draft with the target's own sample of the row gives (it is d with probability p(d), and otherwise a
+  sample of p without d), so n-gram drafts are verified that way: the emitted tokens are then the ones
+  plain sampling draws with the same noise.
 p (and q) are the target's (draft's) logits after the request's temperature, top-k and top-p, as the plain
 `Sampler` computes them. Randomness per output position m of a seeded request: the generator seeded with
-`draw_seed(seed, m)` gives the Exp(1) noise the plain sampler draws at m (the race picks the emitted token),
-then the uniform that judges the draft at m. So a seeded run repeats exactly, whatever the batch or
-preemptions, as plain seeded sampling does.
+`draw_seed(seed, m)` gives the Exp(1) noise the plain sampler draws at m. So a seeded request emits the
+same tokens with n-gram speculation as without, whatever the batch, the drafts or preemptions.
 """
 from __future__ import annotations
 
@@ -34,16 +36,18 @@ def greedy_verify(target_argmax: torch.Tensor, draft_token_ids: torch.Tensor, nu
 
 
 def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, num_draft: torch.Tensor,
-                     uniforms: torch.Tensor, noise: torch.Tensor,
+                     uniforms: torch.Tensor | None, noise: torch.Tensor,
                      draft_probs: torch.Tensor | None = None) -> torch.Tensor:
     """The random case. `target_probs` `[B, K+1, V]` (each row a distribution), drafts `[B, K]` drawn from
-    `draft_probs` `[B, K, V]` (None: one-hot, an n-gram draft), `uniforms` `[B, K]` in [0, 1), `noise`
-    `[B, K+1, V]` Exp(1) -> `[B, K+1]` emitted tokens, PLACEHOLDER after."""
+    `draft_probs` `[B, K, V]` (None: one-hot, an n-gram draft), `uniforms` `[B, K]` in [0, 1) (read only
+    with draft_probs), `noise` `[B, K+1, V]` Exp(1) -> `[B, K+1]` emitted tokens, PLACEHOLDER after."""
+    if draft_probs is None:  # one-hot q: the draft against the row's own sample (the exponential race)
+        return greedy_verify((target_probs / noise).argmax(dim=2), draft_token_ids, num_draft)
     B, K = draft_token_ids.shape
     rows = torch.arange(B, device=target_probs.device)
     drafts = draft_token_ids.clamp(min=0)
     p_draft = target_probs[:, :K].gather(2, drafts[..., None])[..., 0]
-    q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(2, drafts[..., None])[..., 0]
+    q_draft = draft_probs.gather(2, drafts[..., None])[..., 0]
     # u < p/q without the division (q > 0 for a token drawn from q); p/q > 1 accepts surely, as min(1, p/q)
     accept = (uniforms * q_draft < p_draft) & _valid(draft_token_ids, num_draft)
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)
@@ -51,9 +55,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, 
     rejected = num_accepted < num_draft
     if K:
         at = num_accepted.clamp(max=K - 1)
-        q = (torch.nn.functional.one_hot(drafts[rows, at], p.shape[1]).to(p.dtype) if draft_probs is None
-             else draft_probs[rows, at])
-        residual = (p - q).clamp(min=0)
+        residual = (p - draft_probs[rows, at]).clamp(min=0)
         mass = residual.sum(dim=1, keepdim=True)
         # a rejection implies p(d) < q(d), so the residual has mass; guard rounding anyway
         residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(p.dtype).tiny), p)
@@ -110,27 +112,24 @@ class RejectionSampler:
                                    [p.top_p for p in params for _ in range(K + 1)])
             probs = xs.softmax(dim=-1).reshape(len(sampled), K + 1, V)
             invalid[rows] |= probs.isnan().any(dim=2).any(dim=1)
-            uniforms, noise = self._draws([requests[i] for i in sampled], K, V)
-            out[rows] = rejection_sample(probs, drafts[rows], num_draft[rows], uniforms.to(dev), noise.to(dev))
+            noise = self._noise([requests[i] for i in sampled], K, V).to(dev)
+            out[rows] = rejection_sample(probs, drafts[rows], num_draft[rows], None, noise)
         result = []
         for i, tokens in enumerate(out.tolist()):
             result.append([INVALID_TOKEN] if bool(invalid[i]) else [t for t in tokens if t != PLACEHOLDER])
         return result
 
-    def _draws(self, requests: list[Request], K: int, V: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Uniforms `[B, K]` and Exp(1) noise `[B, K+1, V]`: seeded requests per output position (noise
-        first, as the plain sampler draws it, then the uniform), the rest from the engine's generator."""
+    def _noise(self, requests: list[Request], K: int, V: int) -> torch.Tensor:
+        """Exp(1) noise `[B, K+1, V]`: row j of a seeded request is the plain sampler's draw for its output
+        position num_output_tokens + j; unseeded requests draw from the engine's generator."""
         noise = torch.empty(len(requests), K + 1, V)
-        uniforms = torch.empty(len(requests), K + 1)
         g = self.sampler.seeded
         for i, r in enumerate(requests):
             seed = r.sampling_params.seed
             if seed is None:
                 noise[i].exponential_(generator=self.sampler.generator)
-                uniforms[i].uniform_(generator=self.sampler.generator)
                 continue
             for j in range(K + 1):
                 g.manual_seed(draw_seed(seed, r.num_output_tokens + j))
                 noise[i, j].exponential_(generator=g)
-                uniforms[i, j : j + 1].uniform_(generator=g)
-        return uniforms[:, :K], noise
+        return noise
