@@ -86,16 +86,20 @@ def test_stop_tokens_max_tokens_and_max_model_len_inside_an_accepted_run(plain):
     accepted runs: the same tokens and finish reasons as without speculation."""
     stop = [SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[out[len(out) // 2]]) for out in plain]
     short = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 6, 7, 9)]
-    for params in (stop, short):
-        got = {}
-        for spec in (None, SPEC):
-            llm = LLM("tiny-llama", speculative_config=spec, **{**BASE, "max_model_len": 50})
+    to_the_end = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * len(PROMPTS)
+    got: dict[bool, list] = {True: [], False: []}
+    for spec in (None, SPEC):
+        llm = LLM("tiny-llama", speculative_config=spec, **{**BASE, "max_model_len": 50})
+        for params in (stop, short, to_the_end):
             outs = llm.generate(PROMPTS, params, use_tqdm=False)
-            got[spec is None] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
-            assert pool_is_whole(llm.engine)
-            assert all(len(p) + len(t) <= 50 for p, (t, _) in zip(PROMPTS, got[spec is None]))
-        assert got[True] == got[False]
-        assert {r for _, r in got[False]} >= {"length"} if params is short else {"stop"}
+            got[spec is None].append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+        assert pool_is_whole(llm.engine)
+        if spec:
+            _assert_speculated(llm.engine.stats())
+    assert got[False] == got[True]
+    assert {r for _, r in got[True][0]} == {"stop"} and "length" in {r for _, r in got[True][1]}
+    assert all(len(p) + len(t) <= 50 for run in got[False] for p, (t, _) in zip(PROMPTS, run))
+    assert all(len(p) + len(t) == 50 for p, (t, _) in zip(PROMPTS, got[False][2]))  # max_model_len reached
 
 
 def test_invariants_budget_and_prefix_cache_every_step():
