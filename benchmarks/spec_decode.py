@@ -4,8 +4,11 @@ Each request's prompt is a random passage repeated (an "edit this text" workload
 finds the continuation). Reported per batch size: output tokens/s with and without speculation, the
 speedup, the measured first-draft acceptance rate alpha, the measured mean acceptance length (tokens per
 verify step, 1 + accepted / drafts) and the prediction (1 - alpha^(k+1)) / (1 - alpha) for i.i.d.
-acceptance at rate alpha with k drafts each step. The outputs with and without speculation are checked
-equal (greedy is exact), so a speedup never comes from computing something else.
+acceptance at rate alpha with k drafts each step, and the engine steps each run took (the drafts count
+only where the n-gram lookup found a match). The outputs with and without speculation are checked equal
+(greedy is exact), so a speedup never comes from computing something else. The presets have random
+weights: their greedy output repeats itself only sometimes, so the drafts hit less often than on a
+trained model copying its prompt; the wall times are single runs on a shared CPU.
 """
 from __future__ import annotations
 
@@ -29,13 +32,17 @@ def run(model: str, prompts: list[list[int]], max_tokens: int, spec: dict | None
     llm = LLM(model, speculative_config=spec, max_model_len=1024, max_num_batched_tokens=2048)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)  # warm-up
+    before = llm.engine.scheduler.make_stats()  # the warm-up's counts, subtracted
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
-    stats = llm.engine.scheduler.make_stats()
+    after = llm.engine.scheduler.make_stats()
+    drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+    old = before.spec_decode_num_accepted_tokens_per_pos
+    per_pos = [n - (old[j] if j < len(old) else 0) for j, n in enumerate(after.spec_decode_num_accepted_tokens_per_pos)]
     return wall, [o.outputs[0].token_ids for o in outs], {
-        "drafts": stats.spec_decode_num_drafts, "per_pos": stats.spec_decode_num_accepted_tokens_per_pos,
-        "mean_len": stats.spec_decode_mean_acceptance_length}
+        "steps": after.num_steps - before.num_steps, "drafts": drafts, "per_pos": per_pos,
+        "mean_len": 1 + sum(per_pos) / drafts if drafts else 0.0}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,10 +60,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model {args.model}, k={k}, prompts: a {args.passage_len}-token passage x {args.repeats}, "
           f"{args.max_tokens} output tokens, greedy")
     print(f"{'batch':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} {'alpha':>6} "
-          f"{'mean len':>8} {'predicted':>9}  accepted per position")
+          f"{'mean len':>8} {'predicted':>9} {'drafts':>6} {'steps':>9}  accepted per position")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         prompts = workload(batch, args.passage_len, args.repeats, 512, args.seed)
-        wall_plain, plain, _ = run(args.model, prompts, args.max_tokens, None)
+        wall_plain, plain, st_plain = run(args.model, prompts, args.max_tokens, None)
         wall_spec, outs, st = run(args.model, prompts, args.max_tokens, spec)
         if outs != plain:
             raise SystemExit(f"batch {batch}: greedy outputs differ with speculation (a bug)")
@@ -66,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         predicted = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
         rates = " ".join(f"{a / drafts:.2f}" for a in st["per_pos"])
         print(f"{batch:>5} {n / wall_plain:>11.1f} {n / wall_spec:>10.1f} {wall_plain / wall_spec:>6.2f}x "
-              f"{alpha:>6.2f} {st['mean_len']:>8.2f} {predicted:>9.2f}  {rates}")
+              f"{alpha:>6.2f} {st['mean_len']:>8.2f} {predicted:>9.2f} {st['drafts']:>6} "
+              f"{st_plain['steps']:>4}/{st['steps']:<4}  {rates}")
 
 
 if __name__ == "__main__":
