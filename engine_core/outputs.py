@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ModelRunnerOutput:
-    """One step's result: a token for every request whose chunk emits, or why its step failed."""
+    """One step's result: the tokens of every request whose chunk emits, or why its step failed."""
 
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
+    # request id -> its emitted tokens: one, or with draft tokens the accepted drafts and the target's token
+    # after them (1 to k + 1)
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> what failed, naming the request

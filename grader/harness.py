@@ -123,7 +123,7 @@ class FakeRunner:
                 kv = mix(kv, tok)
                 self.gpu[table[pos // self.bs]][pos % self.bs] = (pos, kv)
             if chunk.emits:
-                sampled[rid] = kv % VOCAB
+                sampled[rid] = [kv % VOCAB]
         return ModelRunnerOutput(sampled)
 
     def read(self, table: list[int], pos: int, rid: str) -> int:

@@ -143,6 +143,9 @@ ENGINE_CASES: list[tuple[str, dict[str, Any], str]] = [
      r"dtype must be 'float32' \(or 'auto'\) for a parallel engine on CPU, got torch.bfloat16: gloo has no bfloat16"),
     ("parallel-with-lora", dict(tensor_parallel_size=2, enable_lora=True),
      r"enable_lora must be False with tensor_parallel_size x pipeline_parallel_size = 2 > 1"),
+    ("parallel-with-speculation", dict(tensor_parallel_size=2, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}),
+     r"speculative_config must be None with tensor_parallel_size x pipeline_parallel_size = 2 > 1"),
     ("parallel-with-fp8-kv-cache", dict(pipeline_parallel_size=2, kv_cache_dtype="fp8"),
      r"kv_cache_dtype must be 'auto' with tensor_parallel_size x pipeline_parallel_size = 2 > 1"),
     ("nnodes-not-dividing-ranks", dict(tensor_parallel_size=2, pipeline_parallel_size=1, nnodes=3),

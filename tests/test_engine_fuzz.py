@@ -1,7 +1,8 @@
 """A real-model random fuzzer: random engine configs (block size, tight KV memory, swap space, budget,
 chunking, prefix caching, every preemption mode, max_model_len, model family), random sequences of
 add / step / abort with priorities, shared prefixes, reused request ids, greedy and seeded sampling,
-LoRA adapters (every third seed: 1-3 slots for 4 adapters, a host cache that evicts), and
+LoRA adapters (every third seed: 1-3 slots for 4 adapters, a host cache that evicts), n-gram speculative
+decoding (half the seeds; its own random stream, so the other draws of a seed stay as they were), and
 one step in ten interrupted at a random line (KeyboardInterrupt: the step is rolled back).
 
 After every operation the whole engine is checked (engine_helpers.check_engine: ref counts, the
@@ -49,6 +50,15 @@ def _random_config(rng: random.Random, with_lora: bool) -> dict:
                 scheduling_policy=rng.choice(["fcfs", "priority"]))
 
 
+def _random_spec(rng: random.Random) -> dict:
+    """Half the time n-gram speculation: greedy and seeded tokens are those of the roomy engine without it."""
+    if rng.random() < 0.5:
+        return {}
+    lo = rng.randint(1, 2)
+    return dict(speculative_config={"method": "ngram", "num_speculative_tokens": rng.randint(1, 4),
+                                    "prompt_lookup_min": lo, "prompt_lookup_max": rng.randint(lo, 4)})
+
+
 def _random_params(rng: random.Random) -> SamplingParams:
     kind = rng.random()
     common = dict(max_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.8,
@@ -85,6 +95,7 @@ def _reproducible(params: SamplingParams) -> bool:
 def test_random_sequence(seed):
     rng = random.Random(seed)
     model, config = rng.choice(MODELS), _random_config(rng, with_lora=seed % 3 == 1)
+    config.update(_random_spec(random.Random(f"spec {seed}")))
     engine = LLMEngine.from_kwargs(model, **config)
     bs, mml, gpu_blocks = config["block_size"], engine.config.max_model_len, config["num_gpu_blocks"]
     added: list[tuple[Request, SamplingParams, LoRARequest | None]] = []

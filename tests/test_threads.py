@@ -148,7 +148,7 @@ def test_generate_notices_a_request_that_left_the_engine_without_output():
         for rid in list(llm.engine.requests):
             llm.engine.requests.pop(rid)
             llm.engine.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-        out.sampled.clear()
+        out.sampled_token_ids.clear()
         return out
 
     llm.engine.runner.execute_model = drop_all

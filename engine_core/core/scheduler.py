@@ -18,6 +18,13 @@ With `enable_chunked_prefill=False` a request's remaining tokens are scheduled w
 not at all, and the budget is raised to at least `max_model_len`, so any prompt that
 fits the model can be scheduled (vLLM requires the same of its engine arguments).
 `long_prefill_token_threshold` caps a request's tokens per step only with chunked prefill.
+
+With `speculative_config`, `schedule()` then gives each one-token decode draft tokens (n-gram prompt
+lookup, `_schedule_drafts`) from the budget and the free blocks the plan left: drafts never take room
+from real work, and a request they do not fit decodes plainly. Its block table grows over the lookahead
+slots; `update_from_output` advances num_computed_tokens only over the verified tokens, so the slots of
+rejected drafts are written again next step, and a block enters the prefix cache only once every token
+in it is verified.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ from engine_core.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from engine_core.metrics import Stats
 from engine_core.outputs import ModelRunnerOutput
 from engine_core.request import Request, RequestStatus
+from engine_core.spec_decode.ngram_proposer import NgramProposer
 
 
 class Scheduler:
@@ -59,6 +67,9 @@ class Scheduler:
         # request id -> (its block table list, blocks of it the runner has): to hand over only new block ids
         self._sent_tables: dict[str, tuple[list[KVCacheBlock], int]] = {}
         self.finished_req_ids: set[str] = set()  # finished or aborted since the last schedule(): the runner forgets them
+        spec = self.config.speculative_config
+        self.proposer = None if spec is None else NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                                                 spec.num_speculative_tokens)
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -104,8 +115,38 @@ class Scheduler:
         """The step's one message: the chunks and KV copies `_schedule_tokens` plans, plus the requests
         finished or aborted since the last step, which the runner forgets before running it."""
         out = self._schedule_tokens()
+        if self.proposer is not None:
+            self._schedule_drafts(out)
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return out
+
+    def _schedule_drafts(self, out: SchedulerOutput) -> None:
+        """Draft tokens for the step's one-token decodes, in batch order, from what is left of the token
+        budget and the free blocks (no preemption for a draft). Drafts are capped so that every token the
+        step may emit (accepted drafts + 1) fits max_tokens and max_model_len. The lookahead slots are
+        allocated here (`allocate_slots` over 1 + len(drafts) tokens) and their blocks handed over with
+        the chunk; `out.scheduled_spec_decode_tokens` carries the drafts."""
+        budget = self.max_num_batched_tokens - out.total_num_scheduled_tokens
+        for chunk in out.scheduled:
+            request = chunk.request
+            if budget <= 0:
+                break
+            if chunk.num_tokens != 1 or not chunk.emits:
+                continue
+            limit = min(budget, self.max_model_len - request.num_tokens - 1,
+                        request.sampling_params.max_tokens - request.num_output_tokens - 1)
+            drafts = self.proposer.propose(request.all_token_ids, limit) if limit > 0 else []
+            if not drafts:
+                continue
+            new_blocks = self.kv_cache_manager.allocate_slots(request, chunk.num_tokens + len(drafts))
+            if new_blocks is None:
+                continue  # no free blocks for the lookahead: a plain decode
+            rid = request.request_id
+            chunk.new_block_ids.extend(b.block_id for b in new_blocks)
+            table = self.kv_cache_manager.req_to_blocks[rid]
+            self._sent_tables[rid] = (table, len(table))
+            out.scheduled_spec_decode_tokens[rid] = drafts
+            budget -= len(drafts)
 
     # seam: lab 04 (grader/seams.py)
     def _schedule_tokens(self) -> SchedulerOutput:
@@ -296,12 +337,16 @@ class Scheduler:
                            model_runner_output: ModelRunnerOutput) -> list[Request]:
         """Apply the runner's result. Requests whose step failed finish with FINISHED_ERROR (`.error`
         says why); for every other executed chunk: advance num_computed_tokens, cache newly full blocks
-        (their KV is written now), append the sampled token of chunks that reached the last token,
-        finish requests that stop. Returns the failed requests, then every request that got a token
-        (finished ones included)."""
+        (their KV is written now), append the tokens of chunks that reached the last token, finish
+        requests that stop. With draft tokens, the emitted tokens are the accepted drafts and one more:
+        they are appended one by one until a stop condition (EOS, a stop token, max_tokens,
+        max_model_len), and num_computed_tokens covers the chunk and the accepted drafts appended (their KV
+        is verified); the slots after it are written again next step. Returns the failed requests, then
+        every request that got a token (finished ones included)."""
         now = time.monotonic()
         failed = [self._fail(rid, why) for rid, why in model_runner_output.failed.items() if rid in self.requests]
-        sampled_token_ids = model_runner_output.sampled
+        sampled_token_ids = model_runner_output.sampled_token_ids
+        drafts_of = scheduler_output.scheduled_spec_decode_tokens
         got_token: list[Request] = []
         finished: list[Request] = []
         for chunk in scheduler_output.scheduled:
@@ -309,17 +354,33 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted between schedule() and now
             emits = chunk.emits
-            request.num_computed_tokens = chunk.start + chunk.num_tokens
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             decode = 1 if emits and chunk.num_tokens == 1 and request.num_output_tokens > 0 else 0
             self.counters.num_decode_tokens += decode
             self.counters.num_prefill_tokens += chunk.num_tokens - decode
             if not emits:
+                request.num_computed_tokens = chunk.start + chunk.num_tokens
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
                 continue
-            self.counters.observe_token(request, now)  # before the append: it reads the previous token's time
-            request.append_token(sampled_token_ids[request.request_id], now)
+            tokens = sampled_token_ids[request.request_id]
+            drafts = drafts_of.get(request.request_id)
+            if drafts:
+                self.counters.observe_drafts(len(drafts), len(tokens) - 1)
+            # one inter-token gap per step and request, as vLLM records it (a step's verified drafts arrive
+            # together); before the appends: it reads the previous token's time
+            self.counters.observe_token(request, now)
+            status = None
+            num_appended = 0
+            for token in tokens:
+                request.append_token(token, now)
+                num_appended += 1
+                status = request.check_stop(self.max_model_len)
+                if status is not None:
+                    break
+            # every appended token but the last was a verified draft whose KV this step wrote
+            request.num_computed_tokens = chunk.start + chunk.num_tokens + num_appended - 1
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            self.counters.num_generated_tokens += num_appended - 1  # observe_token counted the first
             got_token.append(request)
-            status = request.check_stop(self.max_model_len)
             if status is not None:
                 finished.append(request)
                 self._finish(request, status, now)

@@ -52,10 +52,14 @@ class SchedulerOutput:
     # finished or aborted since the previous step's SchedulerOutput: the runner forgets their tables
     # and adapter pins (`Scheduler.schedule` fills it)
     finished_req_ids: set[str] = field(default_factory=set)
+    # speculative decoding: request id -> the draft tokens that follow its chunk (a one-token decode). The
+    # runner computes 1 + len(drafts) rows for it, their KV in the lookahead slots its table already covers
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.scheduled)
+        """Query rows of the step: chunk tokens and draft tokens."""
+        return sum(c.num_tokens for c in self.scheduled) + sum(map(len, self.scheduled_spec_decode_tokens.values()))
 
 
 class BlockTables:

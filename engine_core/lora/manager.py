@@ -48,9 +48,11 @@ class LoRAManager:
     def _load(self, request: LoRARequest) -> LoRAAdapter:
         return load_adapter(request, self.args, self.max_lora_rank, self.dtype)
 
-    def prepare(self, chunks: list[ScheduledChunk], meta: AttentionMetadata) -> LoRABatch | None:
+    def prepare(self, chunks: list[ScheduledChunk], meta: AttentionMetadata,
+                num_rows: list[int] | None = None) -> LoRABatch | None:
         """Slots for this step's adapters (loading the missing ones) and the rows' mapping, for
-        `chunks` in batch order; None when no chunk uses an adapter (the plain base-model path)."""
+        `chunks` in batch order; None when no chunk uses an adapter (the plain base-model path).
+        `num_rows`: each chunk's query rows when they are not its num_tokens (draft tokens added)."""
         ids = [c.request.lora_id for c in chunks]
         for c, lora_id in zip(chunks, ids):
             if lora_id is not None:
@@ -64,7 +66,7 @@ class LoRAManager:
         for lora_id, slot in self.slots.assign(needed, set(self.request_lora.values())):
             self.load_slot(slot, adapters[lora_id])
         slot_of = self.slots.slot_of
-        return LoRABatch.build([-1 if i is None else slot_of[i] for i in ids], [c.num_tokens for c in chunks],
+        return LoRABatch.build([-1 if i is None else slot_of[i] for i in ids], num_rows or [c.num_tokens for c in chunks],
                                [c.emits for c in chunks], meta.num_decode_seqs, meta.output_rows is None,
                                self.device, self.backend)
 

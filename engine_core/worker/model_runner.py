@@ -13,7 +13,8 @@ apply the new block ids to the persistent block tables (`InputBatch`), build the
 (input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc) with vectorised
 index arithmetic, choose flash-decoding's split count for the decode-op calls
 (`kernels.split_policy`, from the batch, the longest context and the GPU's SM count; 1 on CPU),
-run the model, and compute logits only for the rows whose chunk reaches the end of its request. Decode-only batches on CUDA replay CUDA graphs (batches without LoRA
+run the model, and compute logits only for the rows whose chunk reaches the end of its request
+(with draft tokens: every row of a speculating request, which the `RejectionSampler` verifies). Decode-only batches on CUDA replay CUDA graphs (batches without LoRA
 adapters; with `enable_lora` the LoRAManager gives the step's adapters slots and the rows a
 slot mapping, `attn_metadata.lora`).
 
@@ -46,6 +47,7 @@ from engine_core.worker.cuda_graphs import DecodeGraphs
 from engine_core.worker.input_batch import InputBatch
 from engine_core.worker.kv_cache import KVCache
 from engine_core.worker.kv_scales import DynamicScales, static_kv_amax
+from engine_core.worker.rejection_sampler import RejectionSampler
 from engine_core.worker.sampler import INVALID_TOKEN, Sampler
 from kernels import split_policy
 
@@ -58,6 +60,10 @@ class ModelInput:
     positions: torch.Tensor  # [num_tokens]
     attn_metadata: AttentionMetadata  # .output_rows: the rows whose hidden state gives a new token
     emitting: list[Request]  # the requests of those rows, in row order
+    # with draft tokens: the rows of the forward's output to take logits of (output_rows is then None, as
+    # a speculating request needs every row); each emitting request has 1 + len(drafts[i]) of them
+    logits_indices: torch.Tensor | None = None
+    drafts: list[list[int]] | None = None  # per emitting request
 
 
 class ModelRunner:
@@ -82,6 +88,7 @@ class ModelRunner:
         self.lora = LoRAManager(self.model, model_config.args, config, self.attention_backend) \
             if config.engine.enable_lora else None
         self.sampler = Sampler(config.engine.seed)
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self.input_batch = InputBatch(config.engine.max_num_seqs, cdiv(config.max_model_len, self.block_size))
         self.kv_cache: KVCache | None = None  # initialize_kv_cache
         self.cuda_graphs: DecodeGraphs | None = None
@@ -186,28 +193,32 @@ class ModelRunner:
         self.kv_cache.swap_in(scheduler_output.swap_in)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput()
-        chunks = sorted(scheduler_output.scheduled, key=lambda c: c.num_tokens != 1)  # decodes first (stable)
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        # one-row sequences (decodes without drafts) first (stable)
+        chunks = sorted(scheduler_output.scheduled,
+                        key=lambda c: c.num_tokens + len(spec.get(c.request.request_id, ())) != 1)
         rows = [self.input_batch.add_chunk(c) for c in chunks]
         try:
-            return self._run(chunks, rows)
+            return self._run(chunks, rows, spec)
         except Exception as error:
             if self.parallel is not None:  # every rank would have to retry in step: the engine stops instead
                 raise
             self._distrust_lora_slots()
             if len(chunks) == 1:
                 return ModelRunnerOutput(failed={chunks[0].request.request_id: _fault(chunks[0], error)})
-        return self._run_one_by_one(chunks, rows)
+        return self._run_one_by_one(chunks, rows, spec)
 
-    def _run_one_by_one(self, chunks: list[ScheduledChunk], rows: list[int]) -> ModelRunnerOutput:
+    def _run_one_by_one(self, chunks: list[ScheduledChunk], rows: list[int],
+                        spec: dict[str, list[int]]) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
         for chunk, row in zip(chunks, rows):
             try:
-                alone = self._run([chunk], [row])
+                alone = self._run([chunk], [row], spec)
             except Exception as error:
                 self._distrust_lora_slots()
                 out.failed[chunk.request.request_id] = _fault(chunk, error)
             else:
-                out.sampled.update(alone.sampled)
+                out.sampled_token_ids.update(alone.sampled_token_ids)
                 out.failed.update(alone.failed)
         return out
 
@@ -217,29 +228,54 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.slots.clear()
 
-    def _run(self, chunks: list[ScheduledChunk], rows: list[int]) -> ModelRunnerOutput:
-        """Forward and sample `chunks` (their block-table rows already applied)."""
+    def _run(self, chunks: list[ScheduledChunk], rows: list[int], spec: dict[str, list[int]]) -> ModelRunnerOutput:
+        """Forward and sample `chunks` (their block-table rows already applied; `spec`: their draft tokens)."""
         batch = build_model_input(chunks, rows, self.input_batch, self.block_size, self.device,
-                                  self.config.engine.kv_cache_dtype, self.attention_backend)
+                                  self.config.engine.kv_cache_dtype, self.attention_backend, spec)
         if self.num_sms:
             self._choose_num_splits(chunks, batch.attn_metadata)
         if self.lora is not None:
-            batch.attn_metadata.lora = self.lora.prepare(chunks, batch.attn_metadata)
+            num_rows = [c.num_tokens + len(spec.get(c.request.request_id, ())) for c in chunks] if spec else None
+            batch.attn_metadata.lora = self.lora.prepare(chunks, batch.attn_metadata, num_rows)
         hidden = self._forward(batch)
         if not batch.emitting or hidden is None:  # only mid-prompt chunks; or a pipeline stage before the last
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden)  # the forward returned only the emitting rows
+        if batch.logits_indices is not None:
+            hidden = hidden[batch.logits_indices]
+        logits = self.model.compute_logits(hidden)  # the emitting rows only
         if logits is None:  # a TP rank other than 0: rank 0 gathered the logits and samples
             return ModelRunnerOutput()
         out = ModelRunnerOutput()
-        for request, token in zip(batch.emitting, self.sampler(logits, batch.emitting)):
-            if token == INVALID_TOKEN:
+        for request, tokens in zip(batch.emitting, self._sample(logits, batch)):
+            if tokens[0] == INVALID_TOKEN:
                 out.failed[request.request_id] = (
                     f"request {request.request_id!r}: its logits are NaN or infinite, so no token can be sampled "
                     f"(the weights or activations overflow in {self.config.dtype}?)")
             else:
-                out.sampled[request.request_id] = token
+                out.sampled_token_ids[request.request_id] = tokens
         return out
+
+    def _sample(self, logits: torch.Tensor, batch: ModelInput) -> list[list[int]]:
+        """Each emitting request's tokens: the plain sampler's one for a row of its own, the rejection
+        sampler's verdict over its 1 + k rows for a speculating request."""
+        if batch.drafts is None:
+            return [[t] for t in self.sampler(logits, batch.emitting)]
+        plain, spec, plain_rows, spec_rows, row = [], [], [], [], 0
+        for i, d in enumerate(batch.drafts):
+            (spec if d else plain).append(i)
+            (spec_rows if d else plain_rows).extend(range(row, row + 1 + len(d)))
+            row += 1 + len(d)
+        result: list[list[int]] = [[]] * len(batch.drafts)
+        if plain:
+            tokens = self.sampler(logits[plain_rows], [batch.emitting[i] for i in plain])
+            for i, t in zip(plain, tokens):
+                result[i] = [t]
+        if spec:
+            verdicts = self.rejection_sampler(logits[spec_rows], [batch.emitting[i] for i in spec],
+                                              [batch.drafts[i] for i in spec])
+            for i, tokens in zip(spec, verdicts):
+                result[i] = tokens
+        return result
 
     def _choose_num_splits(self, chunks: list[ScheduledChunk], meta: AttentionMetadata) -> None:
         """Flash-decoding's split count for the step's two decode-op calls: the decode rows, and the
@@ -267,15 +303,23 @@ def _fault(chunk: ScheduledChunk, error: Exception) -> str:
 
 
 def build_model_input(chunks: list[ScheduledChunk], rows: list[int], input_batch: InputBatch, block_size: int,
-                      device: torch.device, kv_cache_dtype: str, backend: str) -> ModelInput:
-    """The flat batch for `chunks` (single-token chunks first, so attention runs all of them through
+                      device: torch.device, kv_cache_dtype: str, backend: str,
+                      spec_tokens: dict[str, list[int]] | None = None) -> ModelInput:
+    """The flat batch for `chunks` (one-row sequences first, so attention runs all of them through
     the decode op at once); sequence i owns rows query_start_loc[i]:query_start_loc[i+1] and its block
-    table is `input_batch` row `rows[i]`."""
+    table is `input_batch` row `rows[i]`. A chunk with draft tokens (`spec_tokens`) has them as extra
+    rows after its own, in the lookahead slots of its table."""
+    drafts = [spec_tokens.get(c.request.request_id, []) for c in chunks] if spec_tokens else None
+    if drafts is not None and not any(drafts):
+        drafts = None
     starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)
-    nums = torch.tensor([c.num_tokens for c in chunks], dtype=torch.int64)
+    nums = torch.tensor([c.num_tokens + (len(drafts[i]) if drafts else 0) for i, c in enumerate(chunks)],
+                        dtype=torch.int64)
     token_ids: list[int] = []
-    for c in chunks:
+    for i, c in enumerate(chunks):
         token_ids += c.token_ids
+        if drafts:
+            token_ids += drafts[i]
     block_tables = input_batch.block_tables(rows)
     query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int64)
     torch.cumsum(nums, 0, out=query_start_loc[1:])
@@ -287,6 +331,11 @@ def build_model_input(chunks: list[ScheduledChunk], rows: list[int], input_batch
     emit_seqs = emits.nonzero().flatten()
     logits_indices = (query_start_loc[1:] - 1)[emit_seqs]
     every_row_emits = len(emit_seqs) == total
+    spec_rows = None
+    if drafts:  # every row of a speculating request gives logits: the last layer runs every row
+        spec_rows = torch.cat([torch.arange(int(query_start_loc[i + 1]) - 1 - len(drafts[i]),
+                                            int(query_start_loc[i + 1])) for i in emit_seqs.tolist()])
+        every_row_emits = True
     meta = AttentionMetadata(
         slot_mapping=slot_mapping.to(device), block_tables=block_tables.to(device),
         seq_lens=(starts + nums).to(device=device, dtype=torch.int32),
@@ -295,4 +344,6 @@ def build_model_input(chunks: list[ScheduledChunk], rows: list[int], input_batch
         output_rows=None if every_row_emits else logits_indices.to(device),
         output_seqs=None if every_row_emits else emit_seqs.to(device))
     return ModelInput(torch.tensor(token_ids, dtype=torch.int64, device=device), positions.to(device), meta,
-                      [c.request for c in chunks if c.emits])
+                      [c.request for c in chunks if c.emits],
+                      None if spec_rows is None else spec_rows.to(device),
+                      None if drafts is None else [d for d, c in zip(drafts, chunks) if c.emits])

@@ -34,7 +34,7 @@ class Sampler:
             rows = torch.tensor(sampled_rows, device=logits.device)
             temps = torch.tensor([params[i].temperature for i in sampled_rows], device=logits.device)
             x = logits[rows] / temps[:, None]
-            x = _apply_top_k_top_p(x, [params[i].top_k for i in sampled_rows],
+            x = apply_top_k_top_p(x, [params[i].top_k for i in sampled_rows],
                                    [params[i].top_p for i in sampled_rows])
             probs = x.softmax(dim=-1)
             noise = self._exponential_noise([requests[i] for i in sampled_rows], x.shape[1]).to(logits.device)
@@ -61,7 +61,7 @@ def draw_seed(seed: int, position: int) -> int:
     return (seed + (position + 1) * 0x9E3779B97F4A7C15) % 2**64
 
 
-def _apply_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def apply_top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask to -inf the logits outside each row's top-k and top-p nucleus (one sort for all rows)."""
     vocab = x.shape[1]
     ks = [k if k > 0 else vocab for k in top_k]

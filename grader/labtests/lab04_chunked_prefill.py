@@ -173,7 +173,7 @@ def test_admit_prefix_hit_starts_after_cached_tokens(student):
     expect_equal((stats["prefix_cache_queries"], stats["prefix_cache_hits"]), (11, 8),
                  "(prefix_cache_queries, prefix_cache_hits): queries count every token of an admitted request "
                  "(b: 11; a was set up directly), hits the cached ones")
-    expect_equal(runner.execute(out).sampled.get("b"), reference_output(prompt_b, 1)[0],
+    expect_equal(runner.execute(out).sampled_token_ids.get("b"), reference_output(prompt_b, 1)[:1],
                  "b's first token, computed from a's cached KV for positions 0-7 and b's chunk for 8-10")
 
 

@@ -1,0 +1,1 @@
+"""Speculative decoding: the draft proposers (the rejection sampler is the worker's)."""
