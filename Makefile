@@ -59,7 +59,7 @@ FUZZ_INTERRUPT_ALL_LINES ?= 1
 fuzz: venv
 	OMP_WAIT_POLICY=PASSIVE FUZZ_SCHEDULER_EXAMPLES=$(FUZZ_SCHEDULER_EXAMPLES) FUZZ_ENGINE_SEQUENCES=$(FUZZ_ENGINE_SEQUENCES) \
 		FUZZ_INTERRUPT_ALL_LINES=$(FUZZ_INTERRUPT_ALL_LINES) $(PY) -m pytest -q \
-		tests/test_invariants.py tests/test_engine_fuzz.py tests/test_step_interrupts.py $(PYTEST_ARGS)
+		tests/core/test_invariants.py tests/engine/test_engine_fuzz.py tests/engine/test_step_interrupts.py $(PYTEST_ARGS)
 
 # A hostile-class timing: 40 lab 03 submissions (2 hanging) through `python -m grader batch --jobs 2` in its
 # sandbox (needs bubblewrap); docs/instructors.md records the time. Target: < 10 min on 2 cores.
@@ -111,8 +111,7 @@ bench-kernels: venv
 # Every GPU acceptance line in one command, under 5 minutes on an H100/H200 (each part has a hard time limit): the
 # tests of the compiled Triton kernels, the fp8 KV cache, flash-decoding and CUDA graphs, then the kernel benchmark's
 # acceptance shapes (bf16 decode bandwidth, splits at B=1 x 32k, fp8 vs bf16 at B=64 x 4k). Without CUDA: exit 2.
-GPU_TESTS := tests/kernels tests/test_fp8.py tests/test_fp8_engine.py tests/test_flash_decoding.py \
-	tests/test_split_policy.py tests/test_kv_cache.py
+GPU_TESTS := tests/kernels tests/engine/test_fp8_engine.py tests/worker/test_kv_cache.py
 gpu-check: venv
 	@$(PY) -c 'import sys, torch; torch.cuda.is_available() or sys.exit(f"make gpu-check: torch {torch.__version__} \
 	sees no CUDA device, so there is nothing to check here (on a CPU machine: make test)")'

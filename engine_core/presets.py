@@ -9,7 +9,7 @@ Init scale: Hugging Face's default (std 0.02) makes every logit nearly equal, so
 decoding would follow fp32 rounding noise. Linear weights here are N(0, 1/fan_in), embeddings
 N(0, 1), and the LM head (or the tied embedding) is scaled so logits have std `logit_gain`:
 the median top-1/top-2 logit margin over greedy steps is then 0.7 to 1.3 and margins under
-1e-4 are rarer than 1 in 4096 steps (tests/test_presets.py measures it).
+1e-4 are rarer than 1 in 4096 steps (tests/models/test_presets.py measures it).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ learner rewrites as a plain function named `student_name` (a method takes `self`
 are dotted-path strings resolved when used, so moving an engine file is a string edit here and
 in grader/harness.py, nowhere else. `private_state` names the engine state the learner's
 function may read or write (attributes, private helpers): it is the contract, and
-tests/test_seams.py fails when one of them is renamed. `helpers` are further engine functions
+tests/grader/test_seams.py fails when one of them is renamed. `helpers` are further engine functions
 whose bodies are the same answer (weight_bytes is num_params x bytes): grading treats them like
 the seam itself (tripwired while the lab is plugged, removed from the batch grading kit).
 """

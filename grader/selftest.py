@@ -1,6 +1,6 @@
 """`python -m grader.selftest NN_name`: one lab's tests against every variant the meta-test checks.
 
-Prints one JSON object (tests/test_labs_meta.py runs it once per lab in a subprocess: one
+Prints one JSON object (tests/labs/test_labs_meta.py runs it once per lab in a subprocess: one
 interpreter start and one engine import per lab, not per variant):
 
 - "solution": results on solutions/NN/NN.ipynb, observations recorded (the batch reference);
@@ -43,12 +43,12 @@ BUG_TEST_TIMEOUT_S = 20  # a planted bug that loops forever fails its test inste
 # The engine's own unit tests of each lab's pieces, run with the solution's functions plugged in
 # (pytest arguments: files or node ids, and a -k filter leaving out what runs whole models).
 ENGINE_TESTS = {
-    "00_warmup": ("tests/test_kv_cache_manager.py",),
-    "01_kv_cache_math": ("tests/test_memory.py", "-k", "not matches_transformers"),
-    "02_paged_kv_blocks": ("tests/test_block_pool.py", "tests/test_kv_cache_manager.py"),
-    "03_preemption": ("tests/test_preemption.py", "-k", "not test_engine_"),
-    "04_chunked_prefill": ("tests/test_scheduler.py",),
-    "05_prefix_caching": ("tests/test_prefix_caching.py", "tests/test_block_pool.py", "-k", "not test_engine_"),
+    "00_warmup": ("tests/core/test_kv_cache_manager.py",),
+    "01_kv_cache_math": ("tests/engine/test_memory.py", "-k", "not matches_transformers"),
+    "02_paged_kv_blocks": ("tests/core/test_block_pool.py", "tests/core/test_kv_cache_manager.py"),
+    "03_preemption": ("tests/core/test_preemption.py", "-k", "not test_engine_"),
+    "04_chunked_prefill": ("tests/core/test_scheduler.py",),
+    "05_prefix_caching": ("tests/core/test_prefix_caching.py", "tests/core/test_block_pool.py", "-k", "not test_engine_"),
     # the lab's kernel has num_splits 1 and no fp8 (later labs add them)
     "06_paged_attention_kernel": tuple(f"tests/kernels/test_kernels_decode.py::test_decode_matches_oracle"
                                        f"[torch.{dtype}-{group}-{block_size}-1]" for dtype in ("float32", "float16")
@@ -60,9 +60,9 @@ ENGINE_TESTS = {
                             for group in (1, 4) for splits in (2, 4)),
                           "tests/kernels/test_kernels_decode.py::test_many_splits_on_short_sequences_leave_empty_splits_harmless",
                           "tests/kernels/test_kernels_decode.py::test_empty_rows_give_zeros_not_nan",
-                          "tests/test_flash_decoding.py", "tests/test_split_policy.py"),
-    "08_fp8_kv_cache": ("tests/test_fp8.py",),
-    "09_multi_lora": ("tests/test_lora_slots.py", "tests/test_lora_scheduler.py"),
+                          "tests/kernels/test_flash_decoding.py", "tests/kernels/test_split_policy.py"),
+    "08_fp8_kv_cache": ("tests/kernels/test_fp8.py",),
+    "09_multi_lora": ("tests/lora/test_lora_slots.py", "tests/lora/test_lora_scheduler.py"),
 }
 
 
@@ -229,7 +229,7 @@ def _selftest(lab: str, scratch: Path) -> dict:
 def batch_results(lab: str, solution: Path, scratch: Path, solution_results: list[dict]) -> list[dict]:
     """`grade_all` on the solution, for a lab converted to observations (an unconverted one is all "not
     verifiable" there), against this process's solution run; [] for an unconverted lab. (Delegation in
-    batch grading needs no run per lab: tests/test_grader_kit.py checks that each lab's kit holds no body
+    batch grading needs no run per lab: tests/grader/test_grader_kit.py checks that each lab's kit holds no body
     of its seams and helpers, and tests/adversarial grades a delegating submission.)"""
     from grader.batch.grade import Limits, Reference, grade_all
     from grader.batch.compare import read_log

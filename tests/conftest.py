@@ -1,10 +1,10 @@
-"""Starts the labs' selftests (tests/test_labs_meta.py) as soon as collection is done, for the labs
+"""Starts the labs' selftests (tests/labs/test_labs_meta.py) as soon as collection is done, for the labs
 whose `selftest`-marked tests are selected: they then run beside the rest of the suite instead of after it.
 
 Under pytest-xdist (`make test` runs `-n 2 --dist loadfile --no-loadscope-reorder`: whole files, in
 the order below) every worker collects the same tests;
 the first worker (gw0) runs the selftests and leaves each outcome in a folder named after the run,
-where the worker that got tests/test_labs_meta.py reads it, and gw0 stays until the last one is written.
+where the worker that got tests/labs/test_labs_meta.py reads it, and gw0 stays until the last one is written.
 The long serial files go first and the meta tests last (`FIRST`).
 """
 from __future__ import annotations
@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 
-META = "tests/test_labs_meta.py"
+META = "tests/labs/test_labs_meta.py"
 # Files whose time is mostly one long serial chain (a JupyterLab and a browser, nbgrader executing
 # notebooks, a sandboxed class): started first, so the other worker fills in around them. The meta
 # tests wait for the selftests, so they come last.
-FIRST = ("tests/test_grader_browser.py", "tests/test_grader_nbgrader.py", "tests/adversarial/test_adversarial_class.py",
-         "tests/test_grader_batch.py", "tests/test_grader_check_notebook.py", "tests/test_openai_server.py")
+FIRST = ("tests/grader/test_grader_browser.py", "tests/grader/test_grader_nbgrader.py", "tests/adversarial/test_adversarial_class.py",
+         "tests/grader/test_grader_batch.py", "tests/grader/test_grader_check_notebook.py", "tests/entrypoints/test_openai_server.py",
+         "tests/entrypoints/test_router.py")
 _running: list[Future] = []
 
 

@@ -16,7 +16,7 @@ token budget or the KV blocks), a low-priority request waits for as long as the 
 runs as soon as a step has room after every more important waiting request is admitted. Once
 running it is not displaced by arrivals (admission never preempts), but it is the first victim
 when blocks run out, and then waits again behind them. The bound on its wait is the stream's, not
-the scheduler's: `tests/test_request_queue.py` measures it.
+the scheduler's: `tests/core/test_request_queue.py` measures it.
 """
 from __future__ import annotations
 

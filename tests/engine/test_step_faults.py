@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7], [9] * 13, [13], [21, 22]]
 POISON = 13  # the prompt token the injected faults look for
-# the ids of these cases in docs/bad_inputs.md (tests/test_bad_inputs.py checks the table)
+# the ids of these cases in docs/bad_inputs.md (tests/engine/test_bad_inputs.py checks the table)
 CASE_IDS = ["forward-fault", "nan-logits", "tiny-temperature", "lora-adapter-unreadable-at-step",
             "lora-more-adapters-than-slots"]
 

@@ -1,7 +1,7 @@
 """Tensor parallelism with fewer KV heads than ranks: tiny-qwen2 (4 query heads, 1 KV head, qkv bias) at
 tensor_parallel_size=2 replicates its KV head on both ranks (vLLM's rule) and shards the query heads
 and the biases; preemption by swapping here (each rank copies its own heads' blocks to its own CPU
-pool, from the one swap plan of the message). The same checks as tests/test_parallel_tp.py
+pool, from the one swap plan of the message). The same checks as tests/distributed/test_parallel_tp.py
 (tolerances explained there)."""
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from engine_core.distributed.multiproc_executor import EngineDeadError
 from parallel_helpers import child_processes
 
 pytestmark = pytest.mark.timeout(600)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TP2 = dict(tensor_parallel_size=2, num_gpu_blocks=32)
 
 

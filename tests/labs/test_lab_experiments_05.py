@@ -60,7 +60,7 @@ def test_real_chat_workload_hits_the_template_prefix_in_whole_blocks():
 
     from engine_core import LLM, SamplingParams
 
-    nb = json.loads((Path(__file__).parents[1] / "solutions" / "05_prefix_caching" / "05_prefix_caching.ipynb")
+    nb = json.loads((Path(__file__).parents[2] / "solutions" / "05_prefix_caching" / "05_prefix_caching.ipynb")
                     .read_text())
     code = next("".join(c["source"]) for c in nb["cells"] if "def chat_wave" in "".join(c["source"]))
     scope = {"LLM": LLM, "SamplingParams": SamplingParams}

@@ -25,7 +25,7 @@ from engine_core.lora.presets import adapter_path
 from engine_core.presets import preset_path
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 CHECK_PROMPTS = [[5, 6, 7], "hi", {"prompt_token_ids": [9, 9]}]
 
@@ -479,10 +479,10 @@ def test_text_prompt_without_a_tokenizer(tmp_path):
 
 
 def test_the_docs_table_lists_exactly_these_cases():
-    """docs/bad_inputs.md's first column is the case ids of this file and tests/test_step_faults.py."""
+    """docs/bad_inputs.md's first column is the case ids of this file and tests/engine/test_step_faults.py."""
     doc = (ROOT / "docs" / "bad_inputs.md").read_text()
     documented = re.findall(r"^\| `([a-z0-9-]+)` \|", doc, flags=re.M)
-    faults = re.findall(r'^CASE_IDS = \[(.*?)\]', (ROOT / "tests" / "test_step_faults.py").read_text(), re.M | re.S)
+    faults = re.findall(r'^CASE_IDS = \[(.*?)\]', (ROOT / "tests" / "engine" / "test_step_faults.py").read_text(), re.M | re.S)
     cases = [c[0] for c in REQUEST_CASES + ENGINE_CASES + CHECKPOINT_CASES + LORA_CASES + LORA_FOLDER_CASES]
     cases += [FLOAT16_OVERFLOW[0], "text-without-tokenizer"]
     cases += re.findall(r'"([a-z0-9-]+)"', faults[0]) if faults else []

@@ -17,7 +17,7 @@ from engine_core import LLM
 from parallel_helpers import STRESS, child_processes, generate_tokens, stress_prompts
 
 pytestmark = pytest.mark.timeout(600)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def two_free_ports() -> int:

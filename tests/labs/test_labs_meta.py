@@ -3,7 +3,7 @@ bug, agree with the notebook's test cells, and labs/ equals a fresh regeneration
 The engine and the solutions agree (each passes the other's tests), every end-to-end test makes
 the engine call every function it plugs, a notebook that calls the engine's own functions
 scores 0 on every test that plugs them in self-grading (in batch grading the kit holds no such
-body: tests/test_grader_kit.py), and batch grading gives the solution full marks.
+body: tests/grader/test_grader_kit.py), and batch grading gives the solution full marks.
 
 Each lab's variants run in one subprocess (`python -m grader.selftest NN_name`, one thread
 each), two labs at a time, started right after collection for the labs whose `selftest`-marked

@@ -121,7 +121,7 @@ def test_every_seam_and_helper_of_a_lab_is_only_a_raise_in_its_kit(lab):
     """In the lab's kit, each seam and each helper declared for it (grader/seams.py) keeps its docstring and
     nothing but `raise kit_removed(...)`: a submission that calls the engine's own code there reaches no
     answer, which batch grading reports as delegation (proven end to end by tests/adversarial for lab 00
-    and by tests/test_grader_batch.py). The engine's own copy keeps a real body."""
+    and by tests/grader/test_grader_batch.py). The engine's own copy keeps a real body."""
     files = kit_files(lab)
     for seam in seams_of(lab):
         for dotted in (seam.dotted, *seam.helpers):

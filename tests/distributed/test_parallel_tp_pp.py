@@ -1,7 +1,7 @@
 """TP=2 x PP=2: four workers (two stages of two TP ranks; ranks 0,1 stage 0, ranks 2,3 stage 1; rank 2
 samples). The engine refuses more ranks than CPU cores, so on the 2-core test machine this test lets the
 engine's check see 4 cores (the workers still get one thread each): it is here to run the TP and PP
-groups together, not for speed. Same checks as tests/test_parallel_tp.py (tolerances explained there)."""
+groups together, not for speed. Same checks as tests/distributed/test_parallel_tp.py (tolerances explained there)."""
 from __future__ import annotations
 
 import pytest

@@ -18,7 +18,7 @@ from engine_core import LLM, SamplingParams
 from parallel_helpers import child_processes
 
 pytestmark = pytest.mark.timeout(600)
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_shutdown_and_garbage_collection_stop_the_workers():
