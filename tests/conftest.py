@@ -5,16 +5,25 @@ Under pytest-xdist (`make test` runs `-n 2 --dist loadfile --no-loadscope-reorde
 the order below) every worker collects the same tests;
 the first worker (gw0) runs the selftests and leaves each outcome in a folder named after the run,
 where the worker that got tests/labs/test_labs_meta.py reads it, and gw0 stays until the last one is written.
-The long serial files go first and the meta tests last (`FIRST`).
+The long serial files go first and the meta tests last (`FIRST`). Without CUDA it also picks Triton's
+interpreter for the whole run, before anything imports triton.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from concurrent.futures import Future, wait
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton's interpreter must be chosen before `kernels.triton.*` is first imported (the kernels are
+# decorated then), and any test folder may import it first: the kernel tests, the labs' kernel tasks, the
+# engine with backend="triton". On a CUDA machine it is left alone: the tests want compiled kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 META = "tests/labs/test_labs_meta.py"
 # Files whose time is mostly one long serial chain (a JupyterLab and a browser, nbgrader executing

@@ -1,7 +1,5 @@
 """Kernel tests run the Triton kernels on CUDA where there is a GPU and under the Triton
-interpreter on CPU otherwise. The interpreter must be chosen before the kernels are decorated,
-i.e. before `kernels.triton.*` is first imported, which is why it is set here at import time.
-On a CUDA machine it is left alone: other tests in the same process want compiled kernels."""
+interpreter on CPU otherwise (tests/conftest.py chooses, before anything imports triton)."""
 from __future__ import annotations
 
 import os
@@ -9,9 +7,6 @@ import random
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture
