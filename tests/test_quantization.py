@@ -77,6 +77,17 @@ def test_groupwise_rounding_is_within_half_a_step(bits: int, group: int) -> None
 
 
 # ---- int8 ----------------------------------------------------------------------------------------
+def test_int8_rounding_is_symmetric_and_within_half_a_step() -> None:
+    w = torch.randn(32, 100, generator=torch.Generator().manual_seed(2))
+    w[5] = 0.0  # an all-zero row: scale tiny, q 0, exact
+    for (q, scale), per_row in ((quantize_per_channel(w), lambda s: s[:, None]), (quantize_per_token(w), lambda s: s)):
+        assert q.dtype == torch.int8 and int(q.min()) >= -127
+        step = per_row(scale).double()
+        assert bool(((w.double() - q.double() * step).abs() <= step * (0.5 + 128 * U)).all())
+        assert bool((q.abs().amax(dim=1)[torch.arange(32) != 5] == 127).all())  # each row's absmax maps to 127
+        assert bool((q[5] == 0).all())
+
+
 @pytest.mark.parametrize("m, k, n", [(1, 576, 960), (7, 64, 24), (33, 128, 48)])
 def test_int8_gemm_is_exact(m: int, k: int, n: int) -> None:
     g = torch.Generator().manual_seed(m)
