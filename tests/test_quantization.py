@@ -129,9 +129,10 @@ def test_int8_linear_matches_its_dequantized_float64_reference() -> None:
 # ---- RTN -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bits, group, cpu_kernel", [(4, 32, True), (4, 128, True), (4, 32, False), (8, 64, False)])
 def test_rtn_linear_matches_its_dequantized_float64_reference(bits: int, group: int, cpu_kernel: bool) -> None:
+    """fp32: the reference path (dequantize, F.linear), whatever cpu_kernel says."""
     n, k = 80, 256
     layer, w = _linear(RTNLinearMethod(bits, group, cpu_kernel), n, k, bits + group)
-    assert (layer.weight_int4pack is not None) == cpu_kernel  # n = 80 is a multiple of 16: the kernel applies
+    assert layer.weight_int4pack is None  # no kernel for fp32 activations (its fp32 path is scalar: rtn.py)
     q, scales, zeros = quantize_groupwise(w, bits, group)
     s = scales.t().double().repeat_interleave(group, dim=1)
     z = zeros.t().double().repeat_interleave(group, dim=1)
@@ -139,13 +140,36 @@ def test_rtn_linear_matches_its_dequantized_float64_reference(bits: int, group: 
     x, res = torch.randn(5, k), torch.randn(5, n)
     ref = x.double() @ w_deq.t() + layer.bias.double() + res.double()
     out = layer(x, res).double()
-    # The reference path rounds (q - z) s to fp32 (u relative), the kernel computes (q - 8) s + (8 - z) s
-    # in fp32 (two roundings of terms up to (|q - 8| + |8 - z|) s); then a K-term fp32 sum (gamma_K) and
-    # the bias / residual adds (2u).
-    spread = (q.double() - 8).abs() * s + (8 - z).abs() * s
-    mag = x.double().abs() @ (w_deq.abs() + spread).t()
+    # (q - z) s rounded to fp32 (u relative), a K-term fp32 sum (gamma_K), the bias and residual adds (2u)
+    mag = x.double().abs() @ w_deq.abs().t()
     tol = (k + 4) * U * mag + 2 * U * (ref.abs() + layer.bias.double().abs() + res.double().abs())
     assert bool(((out - ref).abs() <= tol).all()), float(((out - ref).abs() / tol).max())
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_rtn_int4_cpu_kernel_matches_its_float64_reference_in_bf16(group: int) -> None:
+    """bf16 activations take torch's int4 kernel. Its weight is (q - 8) * scale + zero with the layer's own
+    bf16 scale and zero (exact in float64); it accumulates in fp32 (gamma_K of the magnitudes) and rounds
+    the result to bf16 (u_bf16 = 2^-8 relative; measured: 0.0038 at most)."""
+    n, k, u_bf16 = 96, 256, 2.0 ** -8
+    g = torch.Generator().manual_seed(group)
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    layer = Linear(nn.Parameter(w.clone(), requires_grad=False), None, RTNLinearMethod(4, group))
+    assert layer.weight_int4pack is not None and layer.qweight is None
+    q, _, _ = quantize_groupwise(w, 4, group)
+    sz = layer.scales_and_zeros.double()
+    w_k = (q.double() - 8) * sz[..., 0].t().repeat_interleave(group, 1) + sz[..., 1].t().repeat_interleave(group, 1)
+    x = torch.randn(6, k, generator=g).bfloat16()
+    ref = x.double() @ w_k.t()
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    tol = u_bf16 * ref.abs() + (1 + u_bf16) * (k + 4) * U * (x.double().abs() @ w_k.abs().t())
+    assert bool(((out.double() - ref).abs() <= tol).all()), float(((out.double() - ref).abs() / tol).max())
+    # and its weight is the RTN weight: (q - z) s up to the bf16 rounding of scale and zero
+    q2, scales, zeros = quantize_groupwise(w, 4, group)
+    w_deq = dequantize_groupwise(q2, scales, zeros, group).double()
+    step = scales.t().double().repeat_interleave(group, 1)
+    assert bool(((w_k - w_deq).abs() <= u_bf16 * (15 * step + (8 - zeros.t().double().repeat_interleave(group, 1)).abs() * step)).all())
 
 
 def test_rtn_kernel_is_skipped_where_torch_refuses_the_shape() -> None:
@@ -162,11 +186,11 @@ def test_weight_bytes_per_scheme() -> None:
     n, k = 64, 128
     dense, _ = _linear(None, n, k, 0)
     int8, _ = _linear(Int8LinearMethod(), n, k, 0)
-    int4, _ = _linear(RTNLinearMethod(4, 32), n, k, 0)
-    ref4, _ = _linear(RTNLinearMethod(4, 32, cpu_kernel=False), n, k, 0)
+    int4 = Linear(nn.Parameter(torch.randn(n, k).bfloat16(), requires_grad=False), None, RTNLinearMethod(4, 32))
+    ref4, _ = _linear(RTNLinearMethod(4, 32), n, k, 0)
     assert dense.weight_bytes() == 4 * n * k
     assert int8.weight_bytes() == n * k + 4 * n  # int8 weights, an fp32 scale per row
-    assert int4.weight_bytes() == n * k // 2 + (k // 32) * n * 2 * 4  # nibbles, fp32 (scale, zero) per group
+    assert int4.weight_bytes() == n * k // 2 + (k // 32) * n * 2 * 2  # nibbles, bf16 (scale, zero) per group
     assert ref4.weight_bytes() == n * k // 2 + (k // 32) * n * (4 + 1)  # qweight, fp32 scales, uint8 zeros
 
 
@@ -197,8 +221,8 @@ def _dequantized_checkpoint(tmp_path, bits: int, group: int) -> str:
 @pytest.mark.parametrize("bits, group", [(4, 32), (8, 64)])
 def test_engine_with_rtn_matches_the_dequantized_model(tmp_path, bits: int, group: int) -> None:
     """Greedy tokens token for token: quantizing per fused q|k|v / gate|up row is quantizing each module's
-    rows, so the dequantized checkpoint (module by module) is the same model; the int4 kernel's rounding
-    (1e-6 relative) flips no argmax here."""
+    rows, so the dequantized checkpoint (module by module) is the same model (fp32: the reference path;
+    the two differ by fp32 rounding only)."""
     quantized = _tokens("tiny-llama", quantization="rtn", quantization_config={"bits": bits, "group_size": group})
     assert quantized == _tokens(_dequantized_checkpoint(tmp_path, bits, group))
     if bits == 4:  # the scheme really ran: 4 bits changes this tiny model's output
