@@ -229,6 +229,24 @@ def test_engine_with_rtn_matches_the_dequantized_model(tmp_path, bits: int, grou
         assert quantized != _tokens("tiny-llama")
 
 
+def test_lora_deltas_apply_after_the_quantized_gemm(tmp_path) -> None:
+    """Unmerged LoRA over a quantized base: the same tokens as the same adapter over the dequantized model,
+    and not the base's (the adapter ran)."""
+    from engine_core import LoRARequest
+    from engine_core.lora.presets import adapter_path
+
+    lora = LoRARequest("r16-all", 1, str(adapter_path("tiny-llama", "r16-all")))
+
+    def tokens(model: str, **kwargs) -> list[list[int]]:
+        llm = LLM(model, kv_cache_memory_bytes=2**22, enable_lora=True, max_lora_rank=16, **kwargs)
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=[lora] * len(PROMPTS))
+        return [o.outputs[0].token_ids for o in outs]
+
+    quantized = tokens("tiny-llama", quantization="rtn", quantization_config={"bits": 4, "group_size": 32})
+    assert quantized == tokens(_dequantized_checkpoint(tmp_path, 4, 32))
+    assert quantized != _tokens("tiny-llama", quantization="rtn", quantization_config={"bits": 4, "group_size": 32})
+
+
 class FakeQuantW8A8(LinearMethodBase):
     """W8A8 simulated in float64: x and w rounded exactly as the scheme rounds them, the product of the
     dequantized values. An independent path (no int8 GEMM, no epilogue) through the same seam."""
