@@ -21,6 +21,10 @@ then each fp8 format (e4m3, e5m2) with each scale mode:
 - `dynamic amax/200 K amax/100 V` (vLLM's older fixed headroom; a benchmark-only observer): the
   first batch's amax divided by 200 (K) and 100 (V) instead of the format's max, so values up to
   2.2x (K) and 4.5x (V) the first batch's still fit in e4m3.
+
+With `--quantization int8,rtn-g32,...` the rows are weight quantization instead (docs/weight_quantization.md):
+the fp32 reference, then each scheme's projections (fp32 activations and KV cache, dense LM head):
+`int8` (W8A8), `rtn-gG` (W4A16, group G), `rtn8-gG` (W8A16, group G).
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ MODES = ("dynamic", "dynamic per-head", "calibrated", "calibrated per-head", "dy
 FIRST_BATCH = [{"role": "user", "content": "What is the capital of France?"}]
 BLOCK_SIZE = 16
 WINDOWS_PER_FORWARD = 4
+QUANT_SCHEMES = ("int8", "rtn-g32", "rtn-g64", "rtn-g128", "rtn8-g32", "rtn8-g128")
 
 
 @dataclass
@@ -129,17 +134,25 @@ def score(engine: LLMEngine, wins: list[list[int]]) -> tuple[torch.Tensor, torch
     return torch.cat(nll), torch.cat(top1)
 
 
+def quantization_kwargs(scheme: str) -> dict[str, Any]:
+    """`int8` / `rtn-g32` / `rtn8-g128` -> the engine's quantization arguments."""
+    if scheme == "int8":
+        return dict(quantization="int8")
+    kind, group = scheme.split("-g")
+    return dict(quantization="rtn", quantization_config={"bits": 8 if kind == "rtn8" else 4, "group_size": int(group)})
+
+
 def build_engine(model: str, context: int, dtype: str, kv_cache_dtype: str = "auto", mode: str = "",
-                 scales_file: Path | None = None, device: str = "auto") -> LLMEngine:
+                 scales_file: Path | None = None, device: str = "auto", quant: str | None = None) -> LLMEngine:
     """An engine whose cache holds one forward's windows; fp8 modes get their scales, and dynamic ones
-    see the chat prompt FIRST_BATCH before the text."""
+    see the chat prompt FIRST_BATCH before the text; `quant`: one of QUANT_SCHEMES."""
     blocks = WINDOWS_PER_FORWARD * -(-context // BLOCK_SIZE)
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = quantization_kwargs(quant) if quant else {}
     if kv_cache_dtype != "auto":
         if mode.startswith("dynamic"):
-            kw = dict(calculate_kv_scales=True, kv_scales_per_head=mode == "dynamic per-head")
+            kw.update(calculate_kv_scales=True, kv_scales_per_head=mode == "dynamic per-head")
         else:
-            kw = dict(kv_cache_scales=str(scales_file), kv_scales_per_head=mode.endswith("per-head"))
+            kw.update(kv_cache_scales=str(scales_file), kv_scales_per_head=mode.endswith("per-head"))
     engine = LLMEngine.from_kwargs(model, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=BLOCK_SIZE,
                                    num_gpu_blocks=blocks, max_num_seqs=4, swap_space=0, enforce_eager=True,
                                    device=device, **kw)
@@ -155,8 +168,9 @@ def build_engine(model: str, context: int, dtype: str, kv_cache_dtype: str = "au
 
 
 def evaluate(model: str, text: str, context: int, max_tokens: int, formats: list[str], modes: list[str],
-             device: str = "auto", bf16: bool = True) -> tuple[list[Row], int]:
-    """The fp32 reference row, bf16, then one row per format x mode; and the number of scored positions."""
+             device: str = "auto", bf16: bool = True, quant: list[str] | None = None) -> tuple[list[Row], int]:
+    """The fp32 reference row, then bf16 and one row per format x mode, or (`quant`) one row per weight
+    quantization scheme; and the number of scored positions."""
     t0 = time.perf_counter()
     reference = build_engine(model, context, "float32", device=device)
     if reference.tokenizer is None:
@@ -177,6 +191,13 @@ def evaluate(model: str, text: str, context: int, max_tokens: int, formats: list
     fp32, ref_top1 = row("fp32 (reference)", reference, t0)
     del reference
     rows = [fp32]
+    if quant:
+        for scheme in quant:
+            t = time.perf_counter()
+            engine = build_engine(model, context, "float32", device=device, quant=scheme)
+            r, _ = row(f"{scheme} ({engine.stats()['weight_bytes'] / 2**20:.0f} MiB of weights)", engine, t)
+            rows.append(r)
+        return rows, sum(len(w) - 1 for w in wins)
     if bf16:
         t = time.perf_counter()
         rows.append(row("bf16 weights + KV cache", build_engine(model, context, "bfloat16", device=device), t)[0])
@@ -222,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", type=_choices(MODES, "--modes"), default=list(MODES),
                     help=f"comma-separated, of {list(MODES)}")
     ap.add_argument("--no-bf16", action="store_true", help="leave out the bf16 row")
+    ap.add_argument("--quantization", type=_choices(QUANT_SCHEMES, "--quantization"), default=None,
+                    help=f"weight quantization rows instead of the bf16 / fp8 KV rows, comma-separated, of "
+                         f"{list(QUANT_SCHEMES)}")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--write-text", action="store_true", help="rebuild --text from solutions/ and exit")
     a = ap.parse_args(argv)
@@ -233,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {a.text}")
         return 0
     rows, n = evaluate(a.model, a.text.read_text(encoding="utf-8"), a.context, a.max_tokens, a.formats, a.modes,
-                       a.device, bf16=not a.no_bf16)
+                       a.device, bf16=not a.no_bf16, quant=a.quantization)
     print(f"\n{a.model}: {n} predicted positions of {a.text.name}, windows of {a.context} tokens\n")
     print(HEADER)
     for r in rows:

@@ -68,6 +68,49 @@ class SpeculativeConfig:
         return cls(method, k, lo, hi)
 
 
+QUANTIZATION_METHODS = ("int8", "rtn")  # vLLM's names: W8A8 int8, online round-to-nearest W4A16 (or W8A16)
+_RTN_BITS = (4, 8)
+_RTN_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's int4 kernels take
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """Weight quantization (engine_core/models/quantization): `method` "int8" (W8A8: per-channel int8 weights,
+    dynamic per-token int8 activations; bits 8, no groups) or "rtn" (group-wise asymmetric `bits`-bit weights
+    with zero points, activations in the model dtype; `quantization_config={"bits": 4, "group_size": 128}`
+    are the defaults)."""
+
+    method: str
+    bits: int
+    group_size: int | None  # None: per output channel
+
+    @classmethod
+    def of(cls, quantization: Any, quantization_config: Any) -> "QuantizationConfig | None":
+        """Check `quantization` and its `quantization_config` dict; None when quantization is None."""
+        if quantization is None:
+            _need(quantization_config is None, "quantization_config", "None when quantization is None",
+                  quantization_config)
+            return None
+        method = check_choice("quantization", quantization, QUANTIZATION_METHODS)
+        options = {} if quantization_config is None else quantization_config
+        _need(isinstance(options, dict), "quantization_config", "None or a dict like {'bits': 4, 'group_size': 128}",
+              options)
+        known = ("bits", "group_size") if method == "rtn" else ()
+        unknown = sorted(str(k) for k in options if k not in known)
+        if unknown:
+            raise ValueError(f"quantization_config has unknown key(s) {unknown} for quantization={method!r}; "
+                             f"allowed: {list(known)}")
+        if method == "int8":
+            return cls(method, 8, None)
+        bits = options.get("bits", 4)
+        _need(bits in _RTN_BITS and check_int("quantization_config['bits']", bits) == bits,
+              "quantization_config['bits']", f"one of {_RTN_BITS}", bits)
+        group_size = options.get("group_size", 128)
+        _need(group_size in _RTN_GROUP_SIZES and check_int("quantization_config['group_size']", group_size) > 0,
+              "quantization_config['group_size']", f"one of {_RTN_GROUP_SIZES}", group_size)
+        return cls(method, bits, group_size)
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)` / `LLMEngine(...)` accept besides the model.
@@ -124,6 +167,10 @@ class EngineConfig:
     seed: int = 0
     # Speculative decoding (vLLM's dict; parsed into a SpeculativeConfig): None = off
     speculative_config: dict | SpeculativeConfig | None = None
+    # Weight quantization (docs/weight_quantization.md): None, "int8" (W8A8) or "rtn" (W4A16 group-wise);
+    # options in quantization_config ({"bits": 4 or 8, "group_size": 32 ... 256} for "rtn"). The LM head stays dense.
+    quantization: str | None = None
+    quantization_config: dict | None = None
 
     def __post_init__(self) -> None:
         """Every argument checked for type and range once, here (engine_core.validation's rules)."""
@@ -168,6 +215,12 @@ class EngineConfig:
             _need(self.world_size == 1, "speculative_config",
                   f"None with tensor_parallel_size x pipeline_parallel_size = {self.world_size} > 1 (the workers do "
                   f"not verify drafts yet)", self.speculative_config)
+
+        self.quant_config: QuantizationConfig | None = QuantizationConfig.of(self.quantization,
+                                                                             self.quantization_config)
+        _need(self.quantization is None or self.world_size == 1, "quantization",
+              f"None with tensor_parallel_size x pipeline_parallel_size = {self.world_size} > 1 (quantized shards "
+              f"are not tested yet)", self.quantization)
 
     @property
     def world_size(self) -> int:

@@ -43,7 +43,7 @@ from engine_core.models.config import ModelConfig
 from engine_core.prompts import PromptType, parse_prompt
 from engine_core.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
 from engine_core.validation import check_int, check_real, fail
-from engine_core.worker.model_runner import ModelRunner
+from engine_core.worker.model_runner import ModelRunner, weight_bytes as runner_weight_bytes
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -56,6 +56,7 @@ class LLMEngine:
         self.runner: ModelRunner | None = self.executor.runner if isinstance(self.executor, UniProcExecutor) else None
         self.kv_cache_config: KVCacheConfig = self.executor.determine_kv_cache_config()
         self.executor.initialize_kv_cache(self.kv_cache_config)
+        self.weight_bytes = sum(self.executor.collective_rpc(runner_weight_bytes))  # every rank's shard
         self.cost_model = PreemptionCostModel.for_device(
             self.model_config.args.model_spec(), self.config.kv_cache_dtype, self.config.device.type,
             config.prefill_flops_per_s, config.swap_bandwidth_bytes_per_s)
@@ -241,8 +242,10 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float]:
         """The engine's numbers now (engine_core.metrics.stat_docs() says what each means); a parallel
-        engine adds its workers' communication, summed over the ranks (`comm_*`: COMM_STAT_DOCS)."""
-        return {**self.scheduler.stats(), **{f"comm_{k}": v for k, v in self.executor.comm_stats().items()}}
+        engine adds its workers' communication, summed over the ranks (`comm_*`: COMM_STAT_DOCS). `weight_bytes`:
+        the model's weights as stored (quantized projections at their scheme's size), summed over the ranks."""
+        return {**self.scheduler.stats(), "weight_bytes": self.weight_bytes,
+                **{f"comm_{k}": v for k, v in self.executor.comm_stats().items()}}
 
     def shutdown(self) -> None:
         """Stop the worker processes of a parallel engine (nothing to stop with one process); idempotent."""

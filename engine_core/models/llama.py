@@ -26,11 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_core.models.attention import AttentionMetadata, AttentionPlan, PagedKVCache
+from engine_core.config import QuantizationConfig
 from engine_core.distributed.parallel_state import GroupCoordinator, ParallelContext
 from engine_core.models.config import LlamaArgs
 from engine_core.models.linear import Linear
 from engine_core.models.loader import CheckpointReader
 from engine_core.models.lora import LoRAMapping
+from engine_core.models.quantization import check_model_shapes, get_linear_method
 from engine_core.models.parallel_linear import (ParallelLMHead, RowParallelLinear, TPShard, VocabParallelEmbedding,
                                                 head_rows)
 
@@ -75,26 +77,28 @@ def _param(t: torch.Tensor | None) -> nn.Parameter | None:
     return None if t is None else nn.Parameter(t, requires_grad=False)
 
 
-def _linear(ckpt: CheckpointReader, names: list[str], bias: bool, rows: list[slice] | None = None) -> Linear:
+def _linear(ckpt: CheckpointReader, names: list[str], bias: bool, rows: list[slice] | None = None,
+            quant: QuantizationConfig | None = None) -> Linear:
     """One Linear over the checkpoint matrices `names` stacked along the output dimension; with `rows`,
-    only those rows of each (a column-parallel shard)."""
+    only those rows of each (a column-parallel shard); quantized by `quant`'s scheme (None: dense)."""
     rows = rows or [slice(None)] * len(names)
     weight = torch.cat([ckpt.get(f"{n}.weight")[r] for n, r in zip(names, rows)])
     return Linear(_param(weight), _param(torch.cat([ckpt.get(f"{n}.bias")[r] for n, r in zip(names, rows)]))
-                  if bias else None)
+                  if bias else None, get_linear_method(quant))
 
 
-def _row_linear(ckpt: CheckpointReader, name: str, bias: bool, tp: TPShard | None, cols: slice) -> Linear:
+def _row_linear(ckpt: CheckpointReader, name: str, bias: bool, tp: TPShard | None, cols: slice,
+                quant: QuantizationConfig | None = None) -> Linear:
     """The output projection `name`: whole, or (tp) the input columns `cols` with an all-reduce."""
     if tp is None:
-        return _linear(ckpt, [name], bias)
+        return _linear(ckpt, [name], bias, quant=quant)
     weight = _param(ckpt.get(f"{name}.weight")[:, cols].contiguous())
     return RowParallelLinear(weight, _param(ckpt.get(f"{name}.bias")) if bias else None, tp.group)
 
 
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, prefix: str, layer_idx: int,
-                 tp: TPShard | None = None) -> None:
+                 tp: TPShard | None = None, quant: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx  # of its stage's KV cache
         d = args.head_dim
@@ -103,8 +107,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = q.stop - q.start, kv.stop - kv.start, d
         self.scale = args.head_dim ** -0.5
         self.qkv_proj = _linear(ckpt, [f"{prefix}.{p}_proj" for p in "qkv"], args.qkv_bias,
-                                [head_rows(q, d), head_rows(kv, d), head_rows(kv, d)] if tp else None)
-        self.o_proj = _row_linear(ckpt, f"{prefix}.o_proj", args.o_bias, tp, head_rows(q, d))
+                                [head_rows(q, d), head_rows(kv, d), head_rows(kv, d)] if tp else None, quant)
+        self.o_proj = _row_linear(ckpt, f"{prefix}.o_proj", args.o_bias, tp, head_rows(q, d), quant)
         self.q_norm = RMSNorm(ckpt.get(f"{prefix}.q_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(ckpt.get(f"{prefix}.k_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
 
@@ -155,12 +159,13 @@ class Rope:
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
 
-    def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, prefix: str, tp: TPShard | None = None) -> None:
+    def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, prefix: str, tp: TPShard | None = None,
+                 quant: QuantizationConfig | None = None) -> None:
         super().__init__()
         cols = tp.even(args.intermediate_size) if tp else slice(None)
         self.gate_up_proj = _linear(ckpt, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], args.mlp_bias,
-                                    [cols, cols] if tp else None)
-        self.down_proj = _row_linear(ckpt, f"{prefix}.down_proj", args.mlp_bias, tp, cols)
+                                    [cols, cols] if tp else None, quant)
+        self.down_proj = _row_linear(ckpt, f"{prefix}.down_proj", args.mlp_bias, tp, cols, quant)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor,
                 silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -175,14 +180,14 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, i: int, kv_index: int | None = None,
-                 tp: TPShard | None = None) -> None:
+                 tp: TPShard | None = None, quant: QuantizationConfig | None = None) -> None:
         """Checkpoint layer `i`; `kv_index`: its layer of the KV cache (i unless a later pipeline stage)."""
         super().__init__()
         p = f"model.layers.{i}"
         self.input_norm = RMSNorm(ckpt.get(f"{p}.input_layernorm.weight"), args.rms_norm_eps)
-        self.attn = Attention(args, ckpt, f"{p}.self_attn", i if kv_index is None else kv_index, tp)
+        self.attn = Attention(args, ckpt, f"{p}.self_attn", i if kv_index is None else kv_index, tp, quant)
         self.post_attn_norm = RMSNorm(ckpt.get(f"{p}.post_attention_layernorm.weight"), args.rms_norm_eps)
-        self.mlp = MLP(args, ckpt, f"{p}.mlp", tp)
+        self.mlp = MLP(args, ckpt, f"{p}.mlp", tp, quant)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: PagedKVCache, plan: AttentionPlan,
                 only_output_rows: bool = False) -> torch.Tensor:
@@ -199,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
     skips the last layer's attention and MLP for every other row. `compute_logits` is the LM head."""
 
     def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, max_positions: int,
-                 parallel: ParallelContext | None = None) -> None:
+                 parallel: ParallelContext | None = None, quant: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.args = args
         tp = TPShard(parallel.tp) if parallel is not None and parallel.tp.world_size > 1 else None
@@ -215,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed = _param(self._vocab_rows(ckpt.get("model.embed_tokens.weight")))
         if self.is_first_stage and tp is not None:
             self.vocab_embed = VocabParallelEmbedding(self.embed, args.vocab_size, tp.group)
-        self.layers = nn.ModuleList(DecoderLayer(args, ckpt, i, i - self.start_layer, tp)
+        self.layers = nn.ModuleList(DecoderLayer(args, ckpt, i, i - self.start_layer, tp, quant)
                                     for i in range(self.start_layer, end))
         if self.is_last_stage:
             self.norm = RMSNorm(ckpt.get("model.norm.weight"), args.rms_norm_eps)
@@ -229,6 +234,17 @@ class LlamaForCausalLM(nn.Module):
 
     def _vocab_rows(self, full: torch.Tensor) -> torch.Tensor:
         return full if self.tp is None else VocabParallelEmbedding.shard(full, self.tp.group)
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight this model holds: the projections as their scheme stores them, plus the
+        dense tensors (embedding, LM head when not tied, norms)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        dense = {id(p): p for p in self.parameters()}  # a tied LM head counted once
+        for lin in linears:
+            if lin is not self.lm_head_proj and getattr(lin, "weight", None) is not None:
+                dense.pop(id(lin.weight), None)
+        return sum(lin.weight_bytes() for lin in linears if lin is not self.lm_head_proj) + \
+            sum(p.nbytes for p in dense.values())
 
     @property
     def num_kv_heads(self) -> int:
@@ -262,8 +278,11 @@ class LlamaForCausalLM(nn.Module):
 
 
 def load_model(folder: str | Path, args: LlamaArgs, dtype: torch.dtype, device: torch.device,
-               max_positions: int, parallel: ParallelContext | None = None) -> LlamaForCausalLM:
+               max_positions: int, parallel: ParallelContext | None = None,
+               quant: QuantizationConfig | None = None) -> LlamaForCausalLM:
     """Build the model from `folder`'s safetensors; `args` is its parsed config.json; `parallel`: the
-    worker's shard (None: the whole model)."""
+    worker's shard (None: the whole model); `quant`: the projections' weight quantization (checked against
+    the shapes before any tensor is read)."""
+    check_model_shapes(quant, args)
     ckpt = CheckpointReader(folder, dtype, device)
-    return LlamaForCausalLM(args, ckpt, max_positions, parallel).eval()
+    return LlamaForCausalLM(args, ckpt, max_positions, parallel, quant).eval()

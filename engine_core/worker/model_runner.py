@@ -66,6 +66,11 @@ class ModelInput:
     drafts: list[list[int]] | None = None  # per emitting request
 
 
+def weight_bytes(runner: "ModelRunner") -> int:
+    """The runner's model weight bytes (for `collective_rpc`: a module-level function)."""
+    return runner.weight_bytes
+
+
 class ModelRunner:
     def __init__(self, config: ResolvedConfig, model_config: ModelConfig,
                  parallel: ParallelContext | None = None) -> None:
@@ -84,7 +89,9 @@ class ModelRunner:
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else 0  # flash-decoding's split policy; 0: never split
         self.model: LlamaForCausalLM = load_model(model_config.path, model_config.args, config.dtype, config.device,
-                                                  max_positions=config.max_model_len, parallel=parallel)
+                                                  max_positions=config.max_model_len, parallel=parallel,
+                                                  quant=engine.quant_config)
+        self.weight_bytes = self.model.weight_bytes()  # as stored: a quantized model's are fewer
         self.lora = LoRAManager(self.model, model_config.args, config, self.attention_backend) \
             if config.engine.enable_lora else None
         self.sampler = Sampler(config.engine.seed)

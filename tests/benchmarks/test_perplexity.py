@@ -69,3 +69,19 @@ def test_command_runs_on_a_tiny_preset(capsys: pytest.CaptureFixture[str], tmp_p
     assert ref[0] == "| fp32 (reference)" and ref[2] == "100.00%" and math.isfinite(float(ref[1]))
     with pytest.raises(SystemExit):
         main(["--modes", "static"])
+
+
+def test_quantization_rows(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    """`--quantization`: the fp32 row, then one row per scheme, each with its weight bytes; the int8 row is
+    not the reference's numbers (the scheme ran), and agreement is a fraction."""
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    assert main(["--model", "tiny-llama", "--text", str(text), "--context", "64", "--max-tokens", "256",
+                 "--quantization", "int8,rtn-g32"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    table = out[out.index("| weights / KV cache | perplexity | top-1 agreement with fp32 | seconds |"):]
+    rows = [line.split(" | ") for line in table[2:] if line.startswith("| ")]
+    assert [r[0] for r in rows] == ["| fp32 (reference)", "| int8 (0 MiB of weights)", "| rtn-g32 (0 MiB of weights)"]  # tiny
+    assert rows[1][1] != rows[0][1] and 0 < float(rows[2][2].rstrip("%")) <= 100
+    with pytest.raises(SystemExit):
+        main(["--quantization", "gptq"])

@@ -1,0 +1,42 @@
+"""Weight quantization behind `Linear` (vLLM's `quant_method` seam, base.py): one file per scheme.
+
+- unquantized.py: the dense GEMM (oneDNN prepacked fp32 on CPU): every Linear without a scheme
+- int8.py: W8A8, `quantization="int8"`
+- rtn.py: W4A16 (or W8A16) group-wise round-to-nearest, `quantization="rtn"`
+
+The LM head and the embedding stay dense.
+"""
+from __future__ import annotations
+
+from engine_core.config import QuantizationConfig
+from engine_core.models.config import LlamaArgs
+from engine_core.models.quantization.base import LinearMethodBase
+from engine_core.models.quantization.int8 import Int8LinearMethod
+from engine_core.models.quantization.rtn import RTNLinearMethod
+from engine_core.models.quantization.unquantized import UnquantizedLinearMethod
+
+
+def get_linear_method(quant: QuantizationConfig | None) -> LinearMethodBase:
+    """A fresh method for one projection (methods hold no per-layer state, but a layer may cache on itself)."""
+    if quant is None:
+        return UnquantizedLinearMethod()
+    if quant.method == "int8":
+        return Int8LinearMethod()
+    return RTNLinearMethod(quant.bits, quant.group_size)
+
+
+def check_model_shapes(quant: QuantizationConfig | None, args: LlamaArgs) -> None:
+    """Before any weight loads: the group size must divide every projection's input size."""
+    if quant is None or quant.group_size is None:
+        return
+    inputs = {"hidden_size": args.hidden_size, "num_attention_heads * head_dim": args.num_heads * args.head_dim,
+              "intermediate_size": args.intermediate_size}
+    bad = {name: k for name, k in inputs.items() if k % quant.group_size}
+    if bad:
+        raise ValueError(f"quantization_config['group_size'] must divide every projection's input size "
+                         f"({', '.join(f'{n}={k}' for n, k in inputs.items())}), got {quant.group_size}, which does "
+                         f"not divide {', '.join(bad)}")
+
+
+__all__ = ["LinearMethodBase", "UnquantizedLinearMethod", "Int8LinearMethod", "RTNLinearMethod",
+           "get_linear_method", "check_model_shapes"]
