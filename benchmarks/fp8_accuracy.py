@@ -42,10 +42,9 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from benchmarks.workload import Workload, make_prompts, run_engine, token_agreement
+from benchmarks.workload import Workload, make_prompts, run_engine, teacher_forced_hidden, token_agreement
 from engine_core.calibrate import calibrate_kv_amax
 from engine_core.engine import LLMEngine
-from engine_core.models.attention import AttentionMetadata
 from engine_core.presets import resolve_model
 from engine_core.worker.kv_scales import save_kv_amax
 
@@ -119,25 +118,15 @@ def teacher_forced(engine: LLMEngine, seqs: list[list[int]], prompt_lens: list[i
     `measure_attention`, the attention error against float64 over unrounded q/k/v: the max abs error,
     and the worst relative error ||err|| / ||exact|| of one query head (one layer, one batch), so a
     head squeezed by another's scale shows even when that head's values are far smaller."""
-    runner = engine.runner
-    model, cache, bs = runner.model, runner.kv_cache, runner.block_size
-    device, scale = runner.device, model.layers[0].attn.scale
+    model, device = engine.runner.model, engine.runner.device
+    scale = model.layers[0].attn.scale
     logprobs, max_abs, worst_rel = [], 0.0, 0.0
     for b in range(0, len(seqs), FORCED_BATCH):
         batch, plens = seqs[b:b + FORCED_BATCH], prompt_lens[b:b + FORCED_BATCH]
         lens = [len(s) for s in batch]
-        width = -(-max(lens) // bs)
-        tables = torch.arange(len(batch) * width, dtype=torch.int32).view(len(batch), width)
-        slots = torch.cat([tables[i].long().repeat_interleave(bs)[:n] * bs + torch.arange(n) % bs
-                           for i, n in enumerate(lens)])
-        qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-        meta = AttentionMetadata(slots.to(device), tables.to(device), torch.tensor(lens, dtype=torch.int32).to(device),
-                                 qsl.to(device), 0, runner.config.engine.kv_cache_dtype, runner.attention_backend)
-        ids = torch.tensor([t for s in batch for t in s], device=device)
-        positions = torch.cat([torch.arange(n) for n in lens]).to(device)
         recorder = AttentionRecorder()
         with recorder.recording():
-            hidden = model(ids, positions, cache, meta)
+            hidden, qsl = teacher_forced_hidden(engine, batch)
         rows = torch.cat([torch.arange(int(qsl[i]) + p - 1, int(qsl[i + 1]) - 1) for i, p in enumerate(plens)])
         lp = torch.log_softmax(model.compute_logits(hidden[rows.to(device)]).double(), -1).cpu()
         logprobs += list(lp.split([n - p for n, p in zip(lens, plens)]))

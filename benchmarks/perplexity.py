@@ -41,9 +41,9 @@ from typing import Any
 
 import torch
 
+from benchmarks.workload import teacher_forced_hidden
 from engine_core.calibrate import calibrate_kv_amax
 from engine_core.engine import LLMEngine
-from engine_core.models.attention import AttentionMetadata
 from engine_core.request import SamplingParams
 from engine_core.worker.kv_scales import DynamicScales, amax_per_head, save_kv_amax
 
@@ -108,23 +108,11 @@ class HeadroomScales(DynamicScales):
 def score(engine: LLMEngine, wins: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """(NLL of each next token, argmax at each position), over positions 0..n-2 of every window,
     each window one prefill through the engine's model and KV cache (blocks 0.. of the cache)."""
-    runner = engine.runner
-    model, cache, bs, device = runner.model, runner.kv_cache, runner.block_size, runner.device
+    model, device = engine.runner.model, engine.runner.device
     nll, top1 = [], []
     for b in range(0, len(wins), WINDOWS_PER_FORWARD):
         batch = wins[b:b + WINDOWS_PER_FORWARD]
-        lens = [len(w) for w in batch]
-        width = -(-max(lens) // bs)
-        tables = torch.arange(len(batch) * width, dtype=torch.int32).view(len(batch), width)
-        slots = torch.cat([tables[i].long().repeat_interleave(bs)[:n] * bs + torch.arange(n) % bs
-                           for i, n in enumerate(lens)])
-        qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
-        seq_lens = torch.tensor(lens, dtype=torch.int32).to(device)
-        meta = AttentionMetadata(slots.to(device), tables.to(device), seq_lens, qsl.to(device), 0,
-                                 runner.config.engine.kv_cache_dtype, runner.attention_backend)
-        ids = torch.tensor([t for w in batch for t in w], device=device)
-        positions = torch.cat([torch.arange(n) for n in lens]).to(device)
-        hidden = model(ids, positions, cache, meta)
+        hidden, qsl = teacher_forced_hidden(engine, batch)
         for i, w in enumerate(batch):
             rows = hidden[int(qsl[i]):int(qsl[i + 1]) - 1]
             logp = torch.log_softmax(model.compute_logits(rows).float(), -1)

@@ -10,8 +10,11 @@ import argparse
 import random
 from dataclasses import dataclass
 
+import torch
+
 from engine_core.engine import LLMEngine
 from engine_core.lora.request import LoRARequest
+from engine_core.models.attention import AttentionMetadata
 from engine_core.request import SamplingParams
 
 WARM_UP_LENGTHS = ((8, 32), (4, 8))  # (input, output) ranges of the untimed warm-up requests
@@ -108,3 +111,22 @@ def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
     for x, y in zip(a, b):
         same += next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
     return same / max(1, sum(len(x) for x in a))
+
+
+def teacher_forced_hidden(engine: LLMEngine, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token of `seqs` in one prefill through the engine's model and KV cache (blocks 0.. of the
+    cache, each sequence its own run of blocks), bypassing the scheduler: (final hidden state of every
+    row, query_start_loc), sequence i owning rows qsl[i]:qsl[i+1]. What the accuracy benchmarks score."""
+    runner = engine.runner
+    bs, device = runner.block_size, runner.device
+    lens = [len(s) for s in seqs]
+    width = -(-max(lens) // bs)
+    tables = torch.arange(len(seqs) * width, dtype=torch.int32).view(len(seqs), width)
+    slots = torch.cat([tables[i].long().repeat_interleave(bs)[:n] * bs + torch.arange(n) % bs
+                       for i, n in enumerate(lens)])
+    qsl = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    meta = AttentionMetadata(slots.to(device), tables.to(device), torch.tensor(lens, dtype=torch.int32).to(device),
+                             qsl.to(device), 0, runner.config.engine.kv_cache_dtype, runner.attention_backend)
+    ids = torch.tensor([t for s in seqs for t in s], device=device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    return runner.model(ids, positions, runner.kv_cache, meta), qsl
