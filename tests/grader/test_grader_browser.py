@@ -82,9 +82,11 @@ def browser():
 
 
 def open_page(browser, url_token: str, path: str):
+    """A new page in its own empty JupyterLab workspace: the default workspace restores every notebook an
+    earlier page opened, as hidden tabs, and their Validate buttons are in the DOM but not visible."""
     base, token = url_token.split("|")
     page = browser.new_page(viewport={"width": 1400, "height": 900})
-    page.goto(f"{base}/lab/{path}?token={token}")
+    page.goto(f"{base}/lab/workspaces/w{secrets.token_hex(4)}/{path}?reset&token={token}")
     return page
 
 
@@ -107,7 +109,7 @@ def test_every_lab_opens_with_validate_and_no_banner_and_no_instructor_tools(bro
     for lab in solution_labs():
         page = open_page(browser, url, f"tree/{lab}/{lab}.ipynb")
         try:
-            page.locator(".validate-button").first.wait_for(state="visible", timeout=90_000)
+            page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .validate-button").first.wait_for(state="visible", timeout=90_000)
             page.locator(".jp-Notebook .jp-Cell").first.wait_for(state="attached", timeout=30_000)
             time.sleep(1.5)  # late toasts (news, extension errors) arrive after the first paint
             page.screenshot(path=str(scratch / f"{lab}.png"))
