@@ -21,7 +21,7 @@ grader/seams.py), so moving an engine file is a handful of lines.
 - `make_paged_batch`, `CountLaunches`, `shape_of`: the kernel labs' paged batches, launch counts and
   result shapes (labs 06, 07, 09).
 - `CountTorchCalls`: the torch calls a function makes, so a test can tell a vectorised answer from a
-  Python loop over rows or splits by counting, not timing (labs 07, 09).
+  Python loop over rows or splits by counting, not timing (labs 07, 09, 14), and by name (lab 14's host syncs).
 """
 from __future__ import annotations
 
@@ -52,6 +52,9 @@ from engine_core.presets import preset_path
 from engine_core.request import Request, RequestStatus, SamplingParams
 from engine_core.worker.kv_cache import KVCache
 from engine_core.worker.kv_scales import KVAmax, save_kv_amax
+from engine_core.models.attention import AttentionMetadata, AttentionPlan, LayerKV  # lab 14
+from engine_core.worker.input_batch import InputBatch  # lab 14
+from engine_core.worker.sampler import INVALID_TOKEN, Sampler  # lab 14
 
 __all__ = ["save_kv_amax", "GPUS", "LLM", "BlockHash", "BlockPool", "EngineConfig", "EngineRun", "FakeRunner", "KVAmax", "KVCache",
            "KVCacheBlock", "KVCacheManager", "LLMEngine", "build_manager", "build_pool", "check_invariants", "ModelSpec", "Request", "RequestStatus", "SamplingParams",
@@ -60,7 +63,9 @@ __all__ = ["save_kv_amax", "GPUS", "LLM", "BlockHash", "BlockPool", "EngineConfi
            # multi-LoRA (lab 09)
            "LoRAMapping", "LoRARequest", "LoRASlotPool", "LoRAStack", "adapter_path", "preset_path",
            # property tests; the kernel labs (06, 07, 09)
-           "lab_settings", "CountLaunches", "CountTorchCalls", "make_paged_batch", "shape_of"]
+           "lab_settings", "CountLaunches", "CountTorchCalls", "make_paged_batch", "shape_of",
+           # the hot loop's pieces (lab 14)
+           "AttentionMetadata", "AttentionPlan", "LayerKV", "InputBatch", "INVALID_TOKEN", "Sampler"]
 
 # tiny-llama's shape: 2 layers x 2 KV heads x 16 dims, 512 bytes of fp32 KV per token
 TINY_SPEC = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
@@ -447,14 +452,17 @@ class CountLaunches:
 class CountTorchCalls(TorchFunctionMode):
     """`with CountTorchCalls() as counted:` counts the torch functions, tensor methods, operators and
     indexing called inside (`counted.calls`; the calls those make in turn are not counted). A vectorised
-    function makes as many calls for 64 rows as for 2; a Python loop over them makes more."""
+    function makes as many calls for 64 rows as for 2; a Python loop over them makes more. `counted.names`
+    counts them by name (`item`, `tolist`, `__int__`: the host syncs lab 14 counts; `cat`, `clone`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
+        self.names: Counter = Counter()
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         self.calls += 1
+        self.names[getattr(func, "__name__", repr(func))] += 1
         return func(*args, **(kwargs or {}))
 
 

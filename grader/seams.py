@@ -69,6 +69,10 @@ KV_SCALES = "engine_core.worker.kv_scales"
 LAB07 = "07_flash_decoding"
 FLASH_DECODING = "kernels.flash_decoding"
 SPLIT_POLICY = "kernels.split_policy"
+LAB14 = "14_find_the_bottleneck"
+ATTENTION_PLAN = "engine_core.models.attention.AttentionPlan"
+SAMPLER = "engine_core.worker.sampler.Sampler"
+INPUT_BATCH = "engine_core.worker.input_batch.InputBatch"
 
 SEAMS: tuple[Seam, ...] = (
     # engine call sites pass cdiv's two arguments positionally; the exercise names them
@@ -148,6 +152,14 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB08, KV_SCALES, "amax_per_head", "amax_per_head"),
     Seam(LAB08, f"{KV_SCALES}.KVAmax", "scales", "scales", _state(f"{KV_SCALES}.KVAmax", "key", "value")),
     Seam(LAB08, KERNELS_REFERENCE, "reshape_and_cache", "reshape_and_cache"),
+
+    # lab 14: the hot loop's pieces, each with a slow variant in grader/slow_engine (the learner's fix)
+    Seam(LAB14, ATTENTION_PLAN, "write_kv", "write_kv", _state(ATTENTION_PLAN, "ops", "meta")),
+    Seam(LAB14, ATTENTION_PLAN, "attend", "attend",
+         _state(ATTENTION_PLAN, "ops", "meta", "num_decode_seqs", "num_seqs", "decode", "prefill")),
+    Seam(LAB14, SAMPLER, "__call__", "sample", _state(SAMPLER, "generator", "seeded", "_exponential_noise")),
+    Seam(LAB14, INPUT_BATCH, "block_tables", "block_tables", _state(INPUT_BATCH, "block_table", "num_blocks")),
+    Seam(LAB14, SCHEDULER, "_remove_finished", "remove_finished", _state(SCHEDULER, "running")),
 )
 
 

@@ -385,9 +385,15 @@ class Scheduler:
                 finished.append(request)
                 self._finish(request, status, now)
         if finished:
-            done = {r.request_id for r in finished}
-            self.running = [r for r in self.running if r.request_id not in done]
+            self._remove_finished(finished)
         return failed + got_token
+
+    # seam: lab 14 (grader/seams.py)
+    def _remove_finished(self, finished: list[Request]) -> None:
+        """Drop the step's finished requests from `running`, keeping its order: one pass with a set, so a
+        step that finishes many of many running requests stays linear."""
+        done = {r.request_id for r in finished}
+        self.running = [r for r in self.running if r.request_id not in done]
 
     def _fail(self, request_id: str, why: str) -> Request:
         """Finish a request whose step failed, before its chunk is applied (the loop then skips it)."""

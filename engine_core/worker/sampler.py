@@ -22,6 +22,7 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)  # unseeded requests
         self.seeded = torch.Generator()  # re-seeded for every seeded draw
 
+    # seam: lab 14 (grader/seams.py)
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """logits `[len(requests), vocab]` (fp32) -> one token id per request, INVALID_TOKEN for a row
         with a NaN or +inf logit, or no finite one (argmax would silently pick such an entry). The

@@ -1,0 +1,643 @@
+"""Official tests of lab 14_find_the_bottleneck: profile a slow engine, fix what the profile shows.
+
+The slow engine (grader/slow_engine) is the reference step with slowdowns planted at five seams
+(grader/seams.py): `AttentionPlan.write_kv` and `AttentionPlan.attend` (the KV write and attention of
+every layer), `Sampler.__call__` (a contract-only task, `sample`), `InputBatch.block_tables` and
+`Scheduler._remove_finished`. The learner rewrites each as a plain function. Every check is an
+`expect_*` observation of what the learner's code did through the engine: the tokens of a fixed
+workload against the reference engine's (run outside the plug), torch calls and host syncs counted
+(grader.harness.CountTorchCalls), decode-op launches counted, copies of the KV cache caught, and the
+speedup over the slow engine measured in this process (alternating runs, the median of the ratios).
+Plus three predictions, the OOM hunt (lab 01's capacity model, engine_core.memory) and a quiz of
+hardware numbers from memory.
+"""
+import dataclasses
+import functools
+import math
+import statistics
+import time
+
+import pytest
+import torch
+
+from grader.harness import (GPUS, INVALID_TOKEN, AttentionMetadata, AttentionPlan, CountTorchCalls, InputBatch, LayerKV,
+                            ModelSpec, Request, Sampler, SamplingParams, ScheduledChunk, make_engine, make_request,
+                            make_scheduler, memory)
+from grader.observe import expect_close, expect_equal
+from grader.plug import plug
+from grader.slow_engine import slow_engine, variants
+
+LAB = "14_find_the_bottleneck"
+HOST_SYNCS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")  # a tensor read back to Python
+
+
+def _syncs(counted: CountTorchCalls) -> int:
+    return sum(counted.names[name] for name in HOST_SYNCS)
+
+
+# ---- task 1: the predictions -------------------------------------------------------------------
+
+@pytest.mark.points(1)
+@pytest.mark.task("predictions")
+def test_predicted_decode_launches(student):
+    """One decode step of 16 sequences through tiny-llama's 2 layers: the slow attention launches the decode
+    op once per sequence and layer (16 x 2 = 32), the fixed one once per layer (2). Exact counts."""
+    expect_equal(tuple(student.predicted_decode_launches()), (32, 2),
+                 "predicted_decode_launches(): (decode-op launches of the slow engine, of the fixed one) in one "
+                 "decode step of 16 sequences, tiny-llama (2 layers)")
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("predictions")
+def test_predicted_kv_write_iterations(student):
+    """One prefill step of 8 prompts of 24 tokens: the slow KV write runs one Python iteration per token and
+    layer, 8 x 24 x 2 = 384. Exact."""
+    expect_equal(student.predicted_kv_write_iterations(), 384,
+                 "predicted_kv_write_iterations(): Python iterations of the slow write_kv in one prefill step of 8 "
+                 "prompts of 24 tokens, tiny-llama (2 layers)")
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("predictions")
+def test_predicted_clone_bytes(student):
+    """The bytes the slow attention's defensive copy writes in one forward of tiny-llama with 512 blocks of 16
+    slots: per layer K and V, each 512 x 16 slots x 2 KV heads x 16 dims x 4 bytes (fp32) = 524,288 bytes;
+    x 2 tensors x 2 layers = 2,097,152 bytes. Tolerance 1%: rounding only; one tensor instead of two, or
+    one layer, is off by 2x."""
+    expect_close(student.predicted_clone_bytes(), 2 * 2 * 512 * 16 * 2 * 16 * 4,
+                 "predicted_clone_bytes(): bytes copied by the slow attend's clone in one forward (tiny-llama, 512 "
+                 "blocks of 16, fp32)", rtol=0.01)
+
+
+# ---- task 2: write_kv ------------------------------------------------------------------------
+
+NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 16, 4
+
+
+def _layer_kv(num_blocks: int, seed: int = 0) -> LayerKV:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    return LayerKV(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen), torch.ones(()), torch.ones(()))
+
+
+def _plan(seq_lens: list[int], query_lens: list[int], num_blocks: int, seed: int = 0) -> AttentionPlan:
+    """A CPU plan for sequences of `seq_lens` tokens (context after the step) with `query_lens` new rows each
+    (rows of 1 first: the decode rows), blocks handed out shuffled, slots of the new rows as the engine maps them."""
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_blocks, generator=gen)
+    blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    tables = torch.zeros(len(seq_lens), max(blocks) + 1, dtype=torch.int32)
+    taken, slots = 0, []
+    for i, (n, q, nb) in enumerate(zip(seq_lens, query_lens, blocks)):
+        tables[i, :nb] = perm[taken:taken + nb].to(torch.int32)
+        taken += nb
+        for pos in range(n - q, n):
+            slots.append(int(tables[i, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE)
+    qsl = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(query_lens).cumsum(0)
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.int64), block_tables=tables,
+                             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=qsl,
+                             num_decode_seqs=sum(1 for q in query_lens if q == 1), backend="torch")
+    return AttentionPlan(meta, torch.device("cpu"), torch.float32)
+
+
+def _new_kv(num_tokens: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen),
+            torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen))
+
+
+def _written(plan: AttentionPlan, key: torch.Tensor, value: torch.Tensor, kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches as a correct write leaves them: slot s of the flat view holds the new row mapped to s."""
+    k, v = kv.key_cache.clone(), kv.value_cache.clone()
+    for i, s in enumerate(plan.meta.slot_mapping.tolist()):
+        k.view(-1, NUM_KV_HEADS, HEAD_DIM)[s] = key[i]
+        v.view(-1, NUM_KV_HEADS, HEAD_DIM)[s] = value[i]
+    return k, v
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("write_kv")
+def test_write_kv_writes_every_slot(student):
+    """2 decode rows and chunks of 5 and 3 rows, blocks of 4 handed out shuffled: each new K and V row lands in
+    the slot slot_mapping names, in the K and in the V cache, and no other slot changes."""
+    plan = _plan([7, 3, 9, 5], [1, 1, 5, 3], num_blocks=12)
+    kv = _layer_kv(12)
+    key, value = _new_kv(len(plan.meta.slot_mapping))
+    expected = _written(plan, key, value, kv)
+    with plug(student, LAB, only=["write_kv"]):
+        student.write_kv(plan, key, value, kv)
+    setup = f"write_kv with slot_mapping {plan.meta.slot_mapping.tolist()} (blocks of {BLOCK_SIZE})"
+    expect_close(kv.key_cache, expected[0], f"{setup}: the key cache after the write", atol=0)
+    expect_close(kv.value_cache, expected[1], f"{setup}: the value cache after the write", atol=0)
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("write_kv")
+def test_write_kv_no_loop_over_tokens(student):
+    """The KV write is one batched op, not a Python loop over tokens: as many torch calls (CountTorchCalls) and no
+    more host syncs for 64 new tokens as for 4."""
+    counts = []
+    for lens in ([1, 1, 1, 1], [16, 16, 16, 16]):
+        plan = _plan(lens, lens, num_blocks=24)
+        kv = _layer_kv(24)
+        key, value = _new_kv(sum(lens))
+        with plug(student, LAB, only=["write_kv"]):
+            with CountTorchCalls() as counted:
+                student.write_kv(plan, key, value, kv)
+        counts.append((counted.calls, _syncs(counted)))
+    expect_equal(counts[1][0] - counts[0][0], 0, "torch calls of write_kv for 64 new tokens minus those for 4: more "
+                                                 "tokens must not mean more calls")
+    expect_equal(counts[1][1] - counts[0][1], 0, "host syncs (item, tolist, int() of a tensor) of write_kv for 64 "
+                                                 "tokens minus those for 4")
+
+
+# ---- task 3: attend -------------------------------------------------------------------------
+
+def _attend_reference(plan: AttentionPlan, query: torch.Tensor, kv: LayerKV, scale: float) -> torch.Tensor:
+    """float64 softmax attention, row by row: each query row over its sequence's positions up to its own."""
+    meta, out = plan.meta, torch.empty(query.shape, dtype=torch.float64)
+    qsl, group = meta.query_start_loc.tolist(), query.shape[1] // NUM_KV_HEADS
+    k_flat = kv.key_cache.double().view(-1, NUM_KV_HEADS, HEAD_DIM)
+    v_flat = kv.value_cache.double().view(-1, NUM_KV_HEADS, HEAD_DIM)
+    for i, n in enumerate(meta.seq_lens.tolist()):
+        slots = [int(meta.block_tables[i, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)]
+        k, v = k_flat[slots].repeat_interleave(group, 1), v_flat[slots].repeat_interleave(group, 1)  # [n, H, D]
+        rows = range(qsl[i], qsl[i + 1])
+        for j, row in enumerate(rows):
+            visible = n - len(rows) + j + 1
+            w = torch.einsum("hd,nhd->hn", query[row].double(), k[:visible]) * scale
+            out[row] = torch.einsum("hn,nhd->hd", w.softmax(-1), v[:visible])
+    return out
+
+
+def _query(num_rows: int, seed: int = 2) -> torch.Tensor:
+    return torch.randn(num_rows, 2 * NUM_KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(seed))
+
+
+def _counting_ops(plan: AttentionPlan) -> dict[str, int]:
+    """Counts the plan's decode-op and varlen-op launches from now on."""
+    launches = {"decode": 0, "varlen": 0}
+
+    def counted(kind, fn):
+        def launch(*args, **kwargs):
+            launches[kind] += 1
+            return fn(*args, **kwargs)
+        return launch
+    plan.ops = dataclasses.replace(plan.ops, paged_attention_decode=counted("decode", plan.ops.paged_attention_decode),
+                                   paged_attention=counted("varlen", plan.ops.paged_attention))
+    return launches
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("attend")
+def test_attend_mixed_batch(student):
+    """3 decode rows (GQA 2:1) and prefill chunks of 4 and 2 rows over contexts of 9 and 6: every row's output
+    equals float64 attention over its sequence's positions up to its own (1e-4: fp32 sums of a few terms)."""
+    plan = _plan([5, 11, 2, 9, 6], [1, 1, 1, 4, 2], num_blocks=16)
+    kv, query = _layer_kv(16), _query(9)
+    with plug(student, LAB, only=["attend"]):
+        out = student.attend(plan, query, kv, 0.25)
+    expect_close(out, _attend_reference(plan, query, kv, 0.25), "attend on decode rows of contexts [5, 11, 2] and "
+                 "chunks of 4 and 2 rows over contexts [9, 6] (4 query heads, 2 KV heads, blocks of 4)", atol=1e-4)
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("attend")
+def test_attend_one_decode_launch_for_the_batch(student):
+    """A decode-only batch of 12 sequences: one launch of the decode op for all of them (not one per sequence) and
+    no launch of the varlen op; with two prefill chunks beside them, one launch of each."""
+    lens = [3 + (5 * i) % 17 for i in range(12)]
+    plan = _plan(lens, [1] * 12, num_blocks=64)
+    launches = _counting_ops(plan)
+    mixed = _plan(lens + [7, 5], [1] * 12 + [3, 2], num_blocks=80)
+    mixed_launches = _counting_ops(mixed)
+    with plug(student, LAB, only=["attend"]):
+        out = student.attend(plan, _query(12), _layer_kv(64), 0.25)
+        student.attend(mixed, _query(17), _layer_kv(80), 0.25)
+    expect_equal(launches, {"decode": 1, "varlen": 0}, "attend on 12 decode rows: launches of the decode and the "
+                                                       "varlen (prefill) op")
+    expect_equal(mixed_launches, {"decode": 1, "varlen": 1}, "attend on 12 decode rows and 2 prefill chunks: launches")
+    expect_close(out, _attend_reference(plan, _query(12), _layer_kv(64), 0.25), "attend on 12 decode rows", atol=1e-4)
+
+
+class _CacheCopies(CountTorchCalls):
+    """Catches torch calls that return a tensor as large as the KV cache but not the cache itself: a copy."""
+
+    def __init__(self, cache_numel: int, caches: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.cache_numel, self.ptrs, self.copies = cache_numel, {c.data_ptr() for c in caches}, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs)
+        if isinstance(out, torch.Tensor) and out.numel() >= self.cache_numel and out.data_ptr() not in self.ptrs:
+            self.copies.append(getattr(func, "__name__", repr(func)))
+        return out
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("attend")
+def test_attend_never_copies_the_cache(student):
+    """The kernels read the cache where it is: no call inside attend returns a tensor the size of a layer's K or V
+    cache (a clone, a contiguous copy of a view, a cast), on a decode batch and a mixed one."""
+    copies = []
+    for lens, q in (([6, 9, 4], [1, 1, 1]), ([6, 9, 4, 8], [1, 1, 1, 3])):
+        plan, kv = _plan(lens, q, num_blocks=32), _layer_kv(32)
+        with plug(student, LAB, only=["attend"]):
+            with _CacheCopies(kv.key_cache.numel(), [kv.key_cache, kv.value_cache]) as counted:
+                student.attend(plan, _query(sum(q)), kv, 0.25)
+        copies.append(counted.copies)
+    expect_equal(copies, [[], []], "torch calls in attend that returned a copy of the KV cache (decode batch, mixed "
+                                   "batch)")
+
+
+# ---- task 4: sample (contract only) --------------------------------------------------------------
+
+VOCAB = 64
+
+
+def _requests(kinds: list[str]) -> list[Request]:
+    """g: greedy; s: seeded, temperature 0.7; t: seeded with top-k 5 and top-p 0.9; u: unseeded, temperature 1.3."""
+    params = {"g": dict(temperature=0.0), "s": dict(temperature=0.7), "t": dict(temperature=1.0, top_k=5, top_p=0.9),
+              "u": dict(temperature=1.3)}
+    out = []
+    for i, k in enumerate(kinds):
+        seed = None if k in "gu" else 100 + i
+        r = Request(f"r{i}", [3, 4, 5], SamplingParams(max_tokens=8, seed=seed, **params[k]))
+        r.append_token(7 + i, 0.0)  # one output token already: the draw seeds on the position
+        out.append(r)
+    return out
+
+
+def _logits(num_rows: int, seed: int = 3) -> torch.Tensor:
+    return 2.0 * torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed))
+
+
+@functools.cache
+def _reference_sample(kinds: str, nan_rows: tuple[int, ...] = ()) -> list[int]:
+    logits = _logits(len(kinds))
+    logits[list(nan_rows)] = float("nan")
+    return Sampler(0)(logits, _requests(list(kinds)))
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("sample")
+def test_sample_follows_the_contract(student):
+    """Greedy, seeded (temperature 0.7), seeded top-k 5 / top-p 0.9 and unseeded rows in one batch: the tokens of
+    the reference sampler with the same engine seed (seeded draws depend on (seed, position) alone, unseeded rows
+    take one draw of the engine generator in row order)."""
+    kinds = "gstugsut"
+    with plug(student, LAB, only=["sample"]):
+        tokens = student.sample(Sampler(0), _logits(len(kinds)), _requests(list(kinds)))
+    expect_equal(list(tokens), _reference_sample(kinds), f"sample on rows {list(kinds)} (g greedy, s seeded, t top-k "
+                                                         "top-p, u unseeded), engine seed 0")
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("sample")
+def test_sample_nan_rows_are_invalid(student):
+    """A row with a NaN logit gives INVALID_TOKEN (-1), greedy or sampled; the other rows keep their tokens."""
+    kinds = "gsgs"
+    logits = _logits(4)
+    logits[[1, 2]] = float("nan")
+    with plug(student, LAB, only=["sample"]):
+        tokens = student.sample(Sampler(0), logits, _requests(list(kinds)))
+    expect_equal(list(tokens), _reference_sample(kinds, (1, 2)), "sample with rows 1 (seeded) and 2 (greedy) all NaN")
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("sample")
+def test_sample_one_host_sync_for_the_batch(student):
+    """Sampling is vectorised over the batch: as many torch calls for 48 greedy and unseeded rows as for 4, and at
+    most one host sync (the tokens read back once) whatever the batch."""
+    counts = []
+    for n in (4, 48):
+        kinds = list("gu" * (n // 2))
+        with plug(student, LAB, only=["sample"]):
+            with CountTorchCalls() as counted:
+                student.sample(Sampler(0), _logits(n), _requests(kinds))
+        counts.append((counted.calls, _syncs(counted)))
+    expect_equal(counts[1][0] - counts[0][0], 0, "torch calls of sample on 48 rows minus those on 4")
+    expect_equal(counts[1][1] <= 1, True, f"sample on 48 rows: at most one host sync (got {counts[1][1]})")
+
+
+# ---- task 5: block_tables -----------------------------------------------------------------------
+
+def _input_batch(num_blocks: list[int], max_blocks: int = 32) -> InputBatch:
+    """An InputBatch whose row r holds a table of num_blocks[r] blocks (ids 1000 r + j), written directly."""
+    batch = InputBatch(len(num_blocks) + 2, max_blocks)
+    batch.block_table[:] = -7  # stale entries: never part of a table
+    for r, n in enumerate(num_blocks):
+        batch.block_table[r, :n] = [1000 * r + j for j in range(n)]
+        batch.num_blocks[r] = n
+    return batch
+
+
+def _tables_seen(tables: torch.Tensor, batch: InputBatch, rows: list[int]) -> list:
+    """What a kernel reads of the result: shape, dtype and each row's own blocks."""
+    return [list(tables.shape), str(tables.dtype)] + [tables[i, :int(batch.num_blocks[r])].tolist()
+                                                      for i, r in enumerate(rows)]
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("block_tables")
+def test_block_tables_ragged_rows(student):
+    """Rows [3, 0, 2] of tables of 5, 1, 7 and 2 blocks, then one row, then no row: int32, as wide as the widest
+    table asked for, each row starting with its own blocks."""
+    batch = _input_batch([5, 1, 7, 2])
+    seen = []
+    with plug(student, LAB, only=["block_tables"]):
+        for rows in ([3, 0, 2], [1], []):
+            seen.append(_tables_seen(student.block_tables(batch, rows), batch, rows))
+    expect_equal(seen, [[[3, 7], "torch.int32", [3000, 3001], [0, 1, 2, 3, 4], [2000 + j for j in range(7)]],
+                        [[1, 1], "torch.int32", [1000]], [[0, 0], "torch.int32"]],
+                 "block_tables for rows [3, 0, 2], [1], [] of tables of 5, 1, 7, 2 blocks: [shape, dtype, each row's "
+                 "blocks]")
+
+
+def _median_ratio(slow, fast, pairs: int) -> float:
+    """Median over alternating pairs of slow time / fast time (order flipped every pair)."""
+    ratios = []
+    for i in range(pairs):
+        first, second = (slow, fast) if i % 2 == 0 else (fast, slow)
+        t0 = time.perf_counter()
+        first()
+        t1 = time.perf_counter()
+        second()
+        t2 = time.perf_counter()
+        t_first, t_second = t1 - t0, t2 - t1
+        ratios.append(t_first / t_second if first is slow else t_second / t_first)
+    return statistics.median(ratios)
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("block_tables")
+def test_block_tables_not_rebuilt_from_python_lists(student):
+    """256 rows of 48-block tables: the tables gathered as one array slice, not rebuilt from Python lists. Measured
+    against the slow variant in this process (11 alternating pairs, median ratio). On the loaded 2-core machine
+    the engine's slice is 60x to 200x faster; the target, 8x, leaves room for load and still fails a rebuild from
+    lists (1x) or a per-row copy into a tensor (about 3x)."""
+    batch = _input_batch([48] * 256, max_blocks=64)
+    rows = list(range(255, -1, -1))
+    with plug(student, LAB, only=["block_tables"]):
+        ratio = _median_ratio(lambda: variants.block_tables(batch, rows), lambda: student.block_tables(batch, rows), 11)
+    expect_equal(ratio >= 8, True, f"block_tables for 256 rows of 48 blocks: {ratio:.1f}x faster than rebuilding "
+                                   "them from Python lists; the target is 8x")
+
+
+# ---- task 6: remove_finished ------------------------------------------------------------------
+
+def _running(num: int):
+    sched = make_scheduler(num_gpu_blocks=8, max_num_seqs=num)
+    sched.running = [make_request(f"r{i}", 2) for i in range(num)]
+    return sched
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("remove_finished")
+def test_remove_finished_keeps_the_order(student):
+    """Running r0..r9, r3, r0, r9 and r4 finish (in that order): the rest stay, in their running order; a step with
+    one finished request, and one that finishes them all."""
+    kept = []
+    with plug(student, LAB, only=["remove_finished"]):
+        for finished in (["r3", "r0", "r9", "r4"], ["r5"], [f"r{i}" for i in range(10)]):
+            sched = _running(10)
+            by_id = {r.request_id: r for r in sched.running}
+            student.remove_finished(sched, [by_id[rid] for rid in finished])
+            kept.append([r.request_id for r in sched.running])
+    expect_equal(kept, [["r1", "r2", "r5", "r6", "r7", "r8"], [f"r{i}" for i in range(10) if i != 5], []],
+                 "running after remove_finished of [r3, r0, r9, r4], of [r5], of all 10")
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("remove_finished")
+def test_remove_finished_is_linear(student):
+    """2000 running requests, 1000 of them finishing in one step: one pass with a set, not a scan of the finished
+    list per running request. Against the slow variant's scan (7 alternating pairs, median ratio): measured 300x
+    to 1000x for a set on the loaded machine; the target is 20x, which a list membership test (`in` a list of
+    1000 ids, about 10x) also fails."""
+    def states():  # built before the timing: each call gets a fresh scheduler of its own
+        out = []
+        for _ in range(7):
+            sched = _running(2000)
+            out.append((sched, sched.running[::2]))
+        return out
+    slow_states, fast_states = states(), states()
+
+    def slow():
+        variants.remove_finished(*slow_states.pop())
+
+    def fast():
+        student.remove_finished(*fast_states.pop())
+    with plug(student, LAB, only=["remove_finished"]):
+        ratio = _median_ratio(slow, fast, 7)
+    expect_equal(ratio >= 20, True, f"remove_finished of 1000 of 2000 running requests: {ratio:.1f}x faster than "
+                                    "the slow variant's scan; the target is 20x")
+
+
+# ---- task 7: end to end: the same tokens, faster --------------------------------------------
+
+E2E_ARGS = dict(num_gpu_blocks=1024, max_num_seqs=64, max_num_batched_tokens=512)
+
+
+def _workload(num: int, prompt_len: int, max_tokens: int) -> list[tuple[str, list[int], SamplingParams]]:
+    """Half greedy, half seeded sampling at temperature 0.8 (so the tokens are reproducible), prompts of
+    prompt_len to prompt_len + 4 tokens."""
+    return [(f"r{i}", [(7 * i + j) % 500 + 3 for j in range(prompt_len + i % 5)],
+             SamplingParams(max_tokens=max_tokens, temperature=0.0 if i % 2 == 0 else 0.8,
+                            seed=None if i % 2 == 0 else 1000 + i, ignore_eos=True))
+            for i in range(num)]
+
+
+def _run(workload, **engine_args) -> dict[str, list[int]]:
+    engine = make_engine("tiny-llama", **{**E2E_ARGS, **engine_args})
+    for rid, prompt, params in workload:
+        engine.add_request(rid, prompt, params)
+    tokens, steps = {}, 0
+    while engine.has_unfinished_requests() and steps < 500:
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    return tokens
+
+
+TOKENS_WORKLOAD = dict(num=12, prompt_len=9, max_tokens=10)
+TOKENS_ARGS = dict(max_num_batched_tokens=40, num_gpu_blocks=64)  # chunked prefill beside decodes
+
+
+@functools.cache
+def _reference_tokens() -> dict[str, list[int]]:
+    return _run(_workload(**TOKENS_WORKLOAD), **TOKENS_ARGS)
+
+
+@pytest.mark.points(3)
+@pytest.mark.task("end_to_end")
+@pytest.mark.end_to_end
+def test_engine_tokens_match_the_reference(student):
+    """tiny-llama with all five of your functions: 12 requests (half greedy, half seeded sampling), a 40-token
+    budget so prefill chunks run beside decodes: every request's tokens equal the reference engine's."""
+    with plug(student, LAB) as plugged:
+        tokens = _run(_workload(**TOKENS_WORKLOAD), **TOKENS_ARGS)
+    expect_equal(plugged.uncalled(), [], "the workload: your functions the engine never called")
+    expect_equal(tokens, _reference_tokens(), "tiny-llama, 12 requests of 9-13 prompt tokens, 10 output tokens, "
+                                              "half seeded sampling, a 40-token budget: each request's tokens")
+
+
+def _decode_step_counts(num_seqs: int) -> tuple[int, int]:
+    """(torch calls, host syncs) of one greedy decode step of `num_seqs` sequences through the whole engine."""
+    engine = make_engine("tiny-llama", num_gpu_blocks=256, max_num_seqs=64)
+    for i in range(num_seqs):
+        engine.add_request(f"r{i}", [(3 * i + j) % 400 + 3 for j in range(10 + i % 7)],
+                           SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    with CountTorchCalls() as counted:
+        engine.step()
+    return counted.calls, _syncs(counted)
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("end_to_end")
+@pytest.mark.end_to_end
+def test_engine_decode_step_cost_does_not_grow_with_the_batch(student):
+    """One engine decode step (scheduler, batch, 2 layers, sampling) with your functions: as many torch calls and
+    host syncs for 32 sequences as for 8. Any per-sequence launch, per-token write or per-request read-back
+    left in the hot loop adds calls for every sequence."""
+    with plug(student, LAB):
+        few, many = _decode_step_counts(8), _decode_step_counts(32)
+    expect_equal(many[0] - few[0], 0, "torch calls in one decode step of 32 sequences minus those of 8")
+    expect_equal(many[1] - few[1], 0, "host syncs in one decode step of 32 sequences minus those of 8")
+
+
+SPEED_WORKLOAD = dict(num=64, prompt_len=32, max_tokens=24)
+# Measured on the loaded 2-core machine (5 alternating pairs, median ratio slow / fixed), load average 4 to 5:
+# every fix 3.0x to 3.4x; with tests/cpu_hog.py's two spinning processes on top, 2.9x to 3.3x; the attention
+# left slow (the largest share: the cache copy and the per-sequence launches) 1.5x to 1.7x; the KV write left
+# slow 2.6x to 2.9x. The target 2.3x passes every correct fix under load and fails those partial ones.
+MIN_SPEEDUP = 2.3
+
+
+@pytest.mark.points(4)
+@pytest.mark.task("end_to_end")
+@pytest.mark.end_to_end
+def test_engine_speedup_over_the_slow_engine(student):
+    """64 requests (32-36 prompt tokens, 24 output tokens, half seeded sampling) through tiny-llama, with your
+    functions and with the slow engine, in turn (5 alternating pairs after one warm-up each): the same tokens, and
+    the median of slow time / your time at least MIN_SPEEDUP."""
+    workload = _workload(**SPEED_WORKLOAD)
+
+    def slow():
+        with slow_engine():
+            return _run(workload)
+
+    def fixed():
+        with plug(student, LAB):
+            return _run(workload)
+    slow_tokens, fixed_tokens = slow(), fixed()
+    expect_equal(fixed_tokens, slow_tokens, "64 requests through tiny-llama: your engine's tokens against the slow "
+                                            "engine's (the same tokens, only faster)")
+    ratio = _median_ratio(slow, fixed, 5)
+    expect_equal(ratio >= MIN_SPEEDUP, True, f"64 requests through tiny-llama: your engine is {ratio:.2f}x faster "
+                                             f"than the slow one (median of 5 alternating pairs); the target is "
+                                             f"{MIN_SPEEDUP}x")
+
+
+# ---- task 8: the OOM hunt ----------------------------------------------------------------------
+
+LLAMA3_8B = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_heads=8, head_dim=128,
+                      intermediate_size=14336, vocab_size=128256)
+GIB = 2**30
+CONTEXT_BYTES = GIB  # CUDA context, NCCL and allocator slack: outside the torch budget
+L4_BYTES = 24 * GIB
+
+
+def _free(gpu_bytes: float, util: float, mnbt: int) -> float:
+    """Bytes left for the KV cache: lab 01's model (weights and the activation peak inside the budget)."""
+    return (gpu_bytes * util - memory.weight_bytes(LLAMA3_8B, "bf16")
+            - memory.activation_bytes(LLAMA3_8B, "bf16", mnbt))
+
+
+def _expected_fixes() -> dict[str, tuple[str, float]]:
+    kv = memory.kv_cache_bytes_per_token(LLAMA3_8B, "bf16")
+    h100 = GPUS["H100-80GB"].memory_bytes
+    logits = 512 * LLAMA3_8B.vocab_size * 4  # the sampler's fp32 logits for max_num_seqs rows, after the profile
+    act = memory.activation_bytes(LLAMA3_8B, "bf16", 1)
+    return {
+        "A": ("gpu_memory_utilization", 1 - (CONTEXT_BYTES + logits) / h100),
+        "B": ("max_num_batched_tokens", math.floor((L4_BYTES * 0.9 - memory.weight_bytes(LLAMA3_8B, "bf16")
+                                                    - 8192 * kv) / act)),
+        "C": ("max_model_len", math.floor(_free(L4_BYTES, 0.9, 8192) / (16 * kv)) * 16),
+        "D": ("swap_space", 0.7 * 512 / 8),
+    }
+
+
+@pytest.mark.points(4)
+@pytest.mark.task("oom_hunt")
+def test_oom_hunt(student):
+    """Four configurations of Llama-3-8B in bf16 that run out of memory (the notebook's table), each broken by one
+    limit. A: gpu_memory_utilization 0.99 on an H100 leaves 816 MiB outside the budget for 1 GiB of CUDA context and
+    the sampler's 263 MB of fp32 logits (512 rows, allocated after the profile), so the largest utilization is
+    1 - (1 GiB + 263 MB) / 79.65 GiB = 0.98437. B: max_num_batched_tokens 65536 on a 24 GiB GPU at 0.9: its
+    activation peak (6.71 GB) leaves 0.42 GB, less than one 8192-token request's KV (1.07 GB); the largest budget
+    is (0.9 x 24 GiB - 16.06 GB - 1.07 GB) / 102,400 bytes per token = 59,165 tokens. C: max_model_len 131072 on
+    the same GPU with an 8192-token budget: one request needs 17.2 GB of KV, 6.29 GB is free, the longest that
+    fits is 48,000 (a multiple of the block size 16). D: 8 engines with swap_space 64 GiB each on a 512 GiB host:
+    vLLM refuses pinned swap above 70% of host memory, so 44.8 GiB each. Names exact; values within 0.5% (A: its
+    headroom within 2%): rounding of the inputs. A rule left out is off by 13% or more: the logits in A (20% of the
+    headroom), one request's KV in B (+18%), the activation peak in C (+13%), the 40% warning level in D (-43%)."""
+    got = student.oom_fixes()
+    expected = _expected_fixes()
+    expect_equal(sorted(got), sorted(expected), "oom_fixes(): the configurations answered")
+    for name, (limit, value) in expected.items():
+        expect_equal(got[name][0], limit, f"oom_fixes()[{name!r}]: the limit that breaks")
+        if name == "A":  # graded on the headroom 1 - utilization: forgetting the logits is 0.3% of the utilization
+            expect_close(1 - got[name][1], 1 - value, "oom_fixes()['A']: 1 - the largest gpu_memory_utilization "
+                         "that fits (the headroom outside the budget, as a fraction of the GPU)", rtol=0.02)
+        else:
+            expect_close(got[name][1], value, f"oom_fixes()[{name!r}]: the largest value of {limit} that fits",
+                         rtol=0.005)
+
+
+# ---- task 9: hardware numbers from memory ------------------------------------------------------
+
+# Datasheet figures, dense (no sparsity), SXM boards; NVLink and PCIe per direction. Sources: NVIDIA A100
+# datasheet (80 GB HBM2e, 2,039 GB/s; 40 GB: 1,555 GB/s; 312 TFLOP/s bf16; NVLink3 600 GB/s both directions);
+# NVIDIA H100 datasheet (SXM5 80 GB HBM3, 3.35 TB/s; 989 TFLOP/s bf16, 1,979 fp8, dense; NVLink4 900 GB/s both
+# directions); NVIDIA H200 datasheet (141 GB HBM3e, 4.8 TB/s); PCI-SIG (Gen4 x16 16 GT/s x 16 lanes, about 32 GB/s
+# per direction; Gen5 about 64 GB/s); NVIDIA Quantum-2 (InfiniBand NDR 400 Gb/s = 50 GB/s per port) against
+# 100 GbE (12.5 GB/s). Ridge point: peak FLOP/s / HBM bytes/s. engine_core.memory.GPUS holds the same figures.
+HARDWARE = {
+    "a100_hbm_bytes": 80e9, "a100_hbm_bytes_per_s": 2.039e12, "h100_hbm_bytes": 80e9,
+    "h100_hbm_bytes_per_s": 3.35e12, "h200_hbm_bytes": 141e9, "h200_hbm_bytes_per_s": 4.8e12,
+    "nvlink4_bytes_per_s": 450e9, "pcie_gen4_x16_bytes_per_s": 32e9, "pcie_gen5_x16_bytes_per_s": 64e9,
+    "infiniband_ndr_bytes_per_s": 50e9, "ethernet_100g_bytes_per_s": 12.5e9,
+    "h100_bf16_flops": 989e12, "h100_fp8_flops": 1979e12, "a100_bf16_flops": 312e12,
+    "h100_bf16_ridge_flops_per_byte": 989e12 / 3.35e12, "a100_bf16_ridge_flops_per_byte": 312e12 / 2.039e12,
+}
+
+
+@pytest.mark.points(4)
+@pytest.mark.task("hardware_quiz")
+def test_hardware_numbers(student):
+    """Sixteen numbers from memory, each within 10% of the datasheet (80 GB and 80 GiB are both inside; a
+    per-direction figure given as both directions, Gb/s for GB/s, sparse FLOP/s or the A100 40 GB's bandwidth
+    are not)."""
+    got = student.hardware_numbers()
+    expect_equal(sorted(got), sorted(HARDWARE), "hardware_numbers(): the keys asked for")
+    for key, value in HARDWARE.items():
+        expect_close(got[key], value, f"hardware_numbers()[{key!r}] (SI units: bytes, bytes/s, FLOP/s)", rtol=0.10)
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("hardware_quiz")
+def test_slips_caught(student):
+    """Two slips in circulation: "the H100 has 141 GB" (that is the H200; the H100 SXM has 80 GB) and "the A100
+    80 GB at 1.5 TB/s" (1.555 TB/s is the A100 40 GB; the 80 GB moves 2.039 TB/s)."""
+    got = student.slips()
+    expect_equal(got["gpu_with_141_gb"], "H200", "slips()['gpu_with_141_gb']: the GPU that has 141 GB")
+    expect_close(got["h100_gb"], 80, "slips()['h100_gb']: the H100 SXM's HBM in GB", rtol=0.10)
+    expect_close(got["a100_80gb_tb_per_s"], 2.039, "slips()['a100_80gb_tb_per_s']: the A100 80 GB's HBM bandwidth "
+                                                   "in TB/s", rtol=0.10)
+    expect_equal(got["a100_gb_at_1_5_tb_per_s"], 40, "slips()['a100_gb_at_1_5_tb_per_s']: the A100 whose HBM moves "
+                                                     "about 1.5 TB/s (GB)")
