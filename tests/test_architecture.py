@@ -94,7 +94,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine_core.engine",),
     ("engine_core.entrypoints", "engine_core.calibrate"),
     ("engine_core",),  # the package's facade (engine_core/__init__.py)
-    ("grader",),
+    ("grader", "grader.slow_engine"),  # lab 14's slow engine: the engine's step with slowdowns planted at seams
     TOOLS,  # nothing below imports them (so they stay out of the grading kit too)
 )
 # Within a layer: core and models know nothing of each other, and core picks no kernel.

@@ -9,7 +9,7 @@ tokens as the engine (lab 14's tests check it), only slower, each in a way a rea
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 from unittest import mock
 
 from grader.seams import resolve, seams_of
@@ -26,8 +26,9 @@ SLOW = {  # student name -> the slow variant planted at that seam
 
 
 @contextlib.contextmanager
-def slow_engine(keep: Iterable[str] = ()) -> Iterator[None]:
-    """The engine with every lab-14 seam but those in `keep` replaced by its slow variant."""
+def slow_engine(keep: Iterable[str] = (), wrap: Callable[[str, Callable], Callable] | None = None) -> Iterator[None]:
+    """The engine with every lab-14 seam but those in `keep` replaced by its slow variant; `wrap(name, variant)`,
+    if given, returns what to plant instead (a timer around the variant)."""
     keep = set(keep)
     unknown = keep - set(SLOW)
     if unknown:
@@ -35,5 +36,7 @@ def slow_engine(keep: Iterable[str] = ()) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for seam in seams_of(LAB):
             if seam.student_name not in keep:
-                stack.enter_context(mock.patch.object(resolve(seam.owner), seam.attr, SLOW[seam.student_name]))
+                variant = SLOW[seam.student_name]
+                stack.enter_context(mock.patch.object(resolve(seam.owner), seam.attr,
+                                                      wrap(seam.student_name, variant) if wrap else variant))
         yield

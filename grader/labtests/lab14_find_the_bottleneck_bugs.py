@@ -1,0 +1,72 @@
+"""Planted bugs for lab 14_find_the_bottleneck: slips a learner plausibly makes; each must fail a test."""
+from grader.bugs import PlantedBug
+
+BUGS = [
+    # predictions
+    PlantedBug("prediction_launches_forget_the_layers", "return seqs * layers, layers", "return seqs, 1"),
+    PlantedBug("prediction_clone_one_tensor", "return 2 * layers * blocks", "return layers * blocks"),
+    # write_kv
+    PlantedBug("write_kv_key_into_both_caches",
+               "self.ops.reshape_and_cache(key, value, kv.key_cache", "self.ops.reshape_and_cache(key, key, kv.key_cache"),
+    # correct but not faster: the batched op called once per token
+    PlantedBug("write_kv_one_call_per_token",
+               "    self.ops.reshape_and_cache(key, value, kv.key_cache, kv.value_cache, self.meta.slot_mapping,\n"
+               "                               self.meta.kv_cache_dtype, kv.k_scale, kv.v_scale)\n",
+               "    for i in range(key.shape[0]):\n"
+               "        self.ops.reshape_and_cache(key[i:i + 1], value[i:i + 1], kv.key_cache, kv.value_cache,\n"
+               "                                   self.meta.slot_mapping[i:i + 1], self.meta.kv_cache_dtype, kv.k_scale,\n"
+               "                                   kv.v_scale)\n"),
+    # attend
+    # correct but not faster: the defensive copy kept
+    PlantedBug("attend_still_clones_the_cache", "    cache = (kv.key_cache, kv.value_cache)\n",
+               "    cache = (kv.key_cache.clone(), kv.value_cache.clone())\n"),
+    # correct but not faster: one decode launch per sequence in a decode-only step
+    PlantedBug("attend_decode_per_sequence",
+               "    if nd == self.num_seqs:\n        return ops.paged_attention_decode(query, *cache, *self.decode, scale, "
+               "kv.k_scale, kv.v_scale,\n                                          num_splits=splits)\n",
+               "    if nd == self.num_seqs:\n        tables, lens = self.decode\n"
+               "        return torch.cat([ops.paged_attention_decode(query[i:i + 1], *cache, tables[i:i + 1], lens[i:i + 1],\n"
+               "                                                     scale, kv.k_scale, kv.v_scale, num_splits=splits)\n"
+               "                          for i in range(nd)])\n"),
+    # the prefill chunks' query_start_loc not rebased past the decode rows: each chunk reads another's rows
+    PlantedBug("attend_prefill_offsets_not_rebased",
+               "    out[nd:] = ops.paged_attention(query[nd:], *cache, *self.prefill, scale, kv.k_scale, kv.v_scale)\n",
+               "    meta = self.meta\n    out[nd:] = ops.paged_attention(query[nd:], *cache, meta.block_tables[nd:], meta.seq_lens[nd:],\n"
+               "                                   meta.query_start_loc[nd:], scale, kv.k_scale, kv.v_scale)\n"),
+    # sample
+    # correct but not faster: the tokens read back one row at a time (a host sync per request)
+    PlantedBug("sample_item_per_row", "    return greedy.masked_fill_(invalid, INVALID_TOKEN).tolist()\n",
+               "    tokens = greedy.masked_fill_(invalid, INVALID_TOKEN)\n    return [int(tokens[i].item()) for i in range(len(requests))]\n"),
+    # faster but changes tokens: every request decoded greedily
+    PlantedBug("sample_everything_greedy", "sampled_rows = [i for i, p in enumerate(params) if not p.greedy]",
+               "sampled_rows = []"),
+    PlantedBug("sample_temperature_ignored", "x = logits[rows] / temps[:, None]", "x = logits[rows]"),
+    PlantedBug("sample_nan_rows_not_invalid", "    invalid = ~top.isfinite()\n",
+               "    invalid = torch.zeros_like(top, dtype=torch.bool)\n"),
+    # block_tables
+    PlantedBug("block_tables_width_of_the_first_row", "width = int(self.num_blocks[rows].max()) if rows else 0",
+               "width = int(self.num_blocks[rows[0]]) if rows else 0"),
+    # numpy's max of no rows raises: a step with no sequence asks for an empty table
+    PlantedBug("block_tables_no_rows_raises", "width = int(self.num_blocks[rows].max()) if rows else 0",
+               "width = int(self.num_blocks[rows].max())"),
+    # correct but not faster: the tables rebuilt from Python lists
+    PlantedBug("block_tables_from_python_lists", "    return torch.from_numpy(self.block_table[rows, :width])\n",
+               "    return torch.tensor([self.block_table[r, :width].tolist() for r in rows], dtype=torch.int32)"
+               ".reshape(len(rows), width)\n"),
+    # remove_finished
+    PlantedBug("remove_finished_keeps_only_the_finished", "if r.request_id not in done]", "if r.request_id in done]"),
+    # correct but not faster: a list of ids scanned for every running request (O(n k) in C)
+    PlantedBug("remove_finished_list_scan", "done = {r.request_id for r in finished}",
+               "done = [r.request_id for r in finished]"),
+    # the OOM hunt
+    PlantedBug("oom_logits_forgotten", "outside = gib + 512 * LLAMA3_8B.vocab_size * 4", "outside = gib"),
+    PlantedBug("oom_swap_at_the_warning_level", "0.7 * 512 / 8", "0.4 * 512 / 8"),
+    PlantedBug("oom_max_model_len_without_activations",
+               "free_c = small * 0.9 - weights - memory.activation_bytes(LLAMA3_8B, dtype, 8192)",
+               "free_c = small * 0.9 - weights"),
+    # hardware numbers: the two slips, and a link quoted in both directions
+    PlantedBug("quiz_h100_141_gb", '"h100_hbm_bytes": 80e9', '"h100_hbm_bytes": 141e9'),
+    PlantedBug("quiz_a100_80gb_at_1_5_tb", '"a100_hbm_bytes_per_s": 2.039e12', '"a100_hbm_bytes_per_s": 1.5e12'),
+    PlantedBug("quiz_nvlink_both_directions", '"nvlink4_bytes_per_s": 450e9', '"nvlink4_bytes_per_s": 900e9'),
+    PlantedBug("slip_141_gb_not_caught", '"gpu_with_141_gb": "H200"', '"gpu_with_141_gb": "H100"'),
+]
