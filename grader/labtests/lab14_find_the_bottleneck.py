@@ -441,12 +441,12 @@ E2E_ARGS = dict(num_gpu_blocks=1024, max_num_seqs=64, max_num_batched_tokens=512
 
 
 def _workload(num: int, prompt_len: int, max_tokens: int) -> list[tuple[str, list[int], SamplingParams]]:
-    """Half greedy, half seeded sampling (temperature 0.8, top-k 50, top-p 0.95; seeded, so the tokens are
-    reproducible), prompts of prompt_len to prompt_len + 4 tokens."""
+    """Every fourth request seeded sampling (temperature 0.8, top-k 50, top-p 0.95; seeded, so the tokens are
+    reproducible), the others greedy; prompts of prompt_len to prompt_len + 4 tokens."""
     greedy, sampled = dict(temperature=0.0), dict(temperature=0.8, top_k=50, top_p=0.95)
     return [(f"r{i}", [(7 * i + j) % 500 + 3 for j in range(prompt_len + i % 5)],
-             SamplingParams(max_tokens=max_tokens, seed=None if i % 2 == 0 else 1000 + i, ignore_eos=True,
-                            **(greedy if i % 2 == 0 else sampled)))
+             SamplingParams(max_tokens=max_tokens, seed=None if i % 4 else 1000 + i, ignore_eos=True,
+                            **(greedy if i % 4 else sampled)))
             for i in range(num)]
 
 
@@ -476,17 +476,18 @@ def _reference_tokens() -> dict[str, list[int]]:
 @pytest.mark.task("end_to_end")
 @pytest.mark.end_to_end
 def test_engine_tokens_match_the_reference(student):
-    """tiny-llama with all five of your functions: 12 requests (half greedy, half seeded sampling), a 40-token
+    """tiny-llama with all five of your functions: 12 requests (a quarter seeded sampling), a 40-token
     budget so prefill chunks run beside decodes: every request's tokens equal the reference engine's."""
     with plug(student, LAB) as plugged:
         tokens = _run(_workload(**TOKENS_WORKLOAD), **TOKENS_ARGS)
     expect_equal(plugged.uncalled(), [], "the workload: your functions the engine never called")
     expect_equal(tokens, _reference_tokens(), "tiny-llama, 12 requests of 9-13 prompt tokens, 10 output tokens, "
-                                              "half seeded sampling, a 40-token budget: each request's tokens")
+                                              "a quarter seeded sampling, a 40-token budget: each request's tokens")
 
 
-def _decode_step_counts(num_seqs: int) -> tuple[int, int]:
-    """(torch calls, host syncs) of one greedy decode step of `num_seqs` sequences through the whole engine."""
+def _decode_step_counts(num_seqs: int) -> tuple[int, int, list[int]]:
+    """(torch calls, host syncs, tokens per request after it) of the third step of `num_seqs` greedy requests
+    through the whole engine: a decode step of every sequence."""
     engine = make_engine("tiny-llama", num_gpu_blocks=256, max_num_seqs=64)
     for i in range(num_seqs):
         engine.add_request(f"r{i}", [(3 * i + j) % 400 + 3 for j in range(10 + i % 7)],
@@ -494,19 +495,22 @@ def _decode_step_counts(num_seqs: int) -> tuple[int, int]:
     engine.step()
     engine.step()
     with CountTorchCalls() as counted:
-        engine.step()
-    return counted.calls, _syncs(counted)
+        outputs = engine.step()
+    return counted.calls, _syncs(counted), sorted(len(o.outputs[0].token_ids) for o in outputs if o.error is None)
 
 
 @pytest.mark.points(2)
 @pytest.mark.task("end_to_end")
 @pytest.mark.end_to_end
 def test_engine_decode_step_cost_does_not_grow_with_the_batch(student):
-    """One engine decode step (scheduler, batch, 2 layers, sampling) with your functions: as many torch calls and
-    host syncs for 32 sequences as for 8. Any per-sequence launch, per-token write or per-request read-back
-    left in the hot loop adds calls for every sequence."""
+    """One engine decode step (scheduler, batch, 2 layers, sampling) with your functions: every sequence gets its
+    third token, and the step makes as many torch calls and host syncs for 32 sequences as for 8. Any
+    per-sequence launch, per-token write or per-request read-back left in the hot loop adds calls for every
+    sequence."""
     with plug(student, LAB):
         few, many = _decode_step_counts(8), _decode_step_counts(32)
+    expect_equal([few[2], many[2]], [[3] * 8, [3] * 32], "tokens per request after the third step of 8 and of 32 "
+                                                       "greedy requests (failed requests left out)")
     expect_equal(many[0] - few[0], 0, "torch calls in one decode step of 32 sequences minus those of 8")
     expect_equal(many[1] - few[1], 0, "host syncs in one decode step of 32 sequences minus those of 8")
 
@@ -514,13 +518,16 @@ def test_engine_decode_step_cost_does_not_grow_with_the_batch(student):
 SPEED_WORKLOAD = dict(num=48, prompt_len=64, max_tokens=8)
 SPEED_ARGS = dict(num_gpu_blocks=2048)  # a cache of 4 MiB per layer: what a copy of it costs shows
 PAIRS = 3
-# Measured on the loaded 2-core machine (load average 6 to 8), median of 3 alternating pairs, slow / fixed, with and
-# without tests/cpu_hog.py spinning on both cores. Whole runs: every fix 2.7x to 3.5x; the attention left slow
-# 1.2x; the sampler or the KV write left slow 2.0x to 2.9x. Time inside the five functions: every fix 8x to 10.5x;
-# the KV write left slow 3.3x, the sampler 3.5x to 4.4x. So the whole-run target, 2.0x, passes every correct fix
-# under load and fails the attention left slow; the inside-the-functions target, 5x, fails a partial fix of each
-# of the three large ones (the two small ones have checks of their own above).
-MIN_SPEEDUP, MIN_SEAM_SPEEDUP = 2.0, 5.0
+# Measured on the loaded 2-core machine (load average 6 to 8), median of 3 alternating pairs, slow / fixed: alone,
+# after a torch.profiler run in the same process (as in the notebook), and with tests/cpu_hog.py spinning on both
+# cores. Whole runs: every fix 2.6x to 3.1x (the engine's own per-step cost, the same in both, is most of a fixed
+# run and swings with the load); the attention left slow 1.2x to 1.65x, the KV write 1.8x to 2.1x: inside the
+# noise of a full fix. Time inside the five functions: every fix 7.6x to 9.2x; the KV write left slow 2.8x to
+# 3.4x, the attention 2.5x. So the whole-run target, 1.5x, passes every correct fix under load (it says "faster
+# overall", nothing finer), and the inside-the-functions target, 5x, fails the KV write or the attention left
+# slow. The sampler left slow (6.5x: its share of this workload is small) and the two small ones are caught by
+# their own checks above and by the decode-step count.
+MIN_SPEEDUP, MIN_SEAM_SPEEDUP = 1.5, 5.0
 
 
 def _timed(spent: dict[str, float]):
@@ -541,7 +548,7 @@ def _timed(spent: dict[str, float]):
 @pytest.mark.task("end_to_end")
 @pytest.mark.end_to_end
 def test_engine_speedup_over_the_slow_engine(student):
-    """48 requests (64-68 prompt tokens, 8 output tokens, half seeded top-k/top-p sampling) through tiny-llama,
+    """48 requests (64-68 prompt tokens, 8 output tokens, a quarter seeded top-k/top-p sampling) through tiny-llama,
     with your functions and with the slow engine, in turn (PAIRS alternating pairs after one warm-up each): the same
     tokens; the median of slow time / your time over whole runs at least MIN_SPEEDUP, and over the time spent
     inside the five functions at least MIN_SEAM_SPEEDUP (the engine's own per-step cost, the same in both, left
