@@ -20,8 +20,8 @@ import time
 import pytest
 import torch
 
-from grader.harness import (GPUS, INVALID_TOKEN, AttentionMetadata, AttentionPlan, CountTorchCalls, InputBatch, LayerKV,
-                            ModelSpec, Request, Sampler, SamplingParams, ScheduledChunk, make_engine, make_request,
+from grader.harness import (GPUS, AttentionMetadata, AttentionPlan, CountTorchCalls, InputBatch, LayerKV,
+                            ModelSpec, Request, Sampler, SamplingParams, make_engine, make_request,
                             make_scheduler, memory)
 from grader.observe import expect_close, expect_equal
 from grader.plug import plug

@@ -190,6 +190,25 @@ for i in step:
 return loads
 """
 
+# lab 14: the KV write in PyTorch (flat views of the caches, one indexed copy each) instead of the kernel op
+KV_WRITE = """\
+flat_k = kv.key_cache.view(-1, *key.shape[1:])
+flat_v = kv.value_cache.view(-1, *value.shape[1:])
+flat_k.index_copy_(0, self.meta.slot_mapping, key.to(flat_k.dtype))
+flat_v.index_copy_(0, self.meta.slot_mapping, value.to(flat_v.dtype))
+"""
+# lab 14: the tables gathered in torch from the numpy array, the width from Python ints
+TABLES = """\
+widths = [int(self.num_blocks[r]) for r in rows]
+table = torch.from_numpy(self.block_table)
+return table[rows][:, :max(widths, default=0)].contiguous()
+"""
+# lab 14: finished requests recognised by identity, the queue filtered in place
+REMOVE = """\
+gone = {id(r) for r in finished}
+self.running[:] = [r for r in self.running if id(r) not in gone]
+"""
+
 ALTERNATIVES = [
     Alternative("03_preemption", "choose_preemption_mode", "room_by_hand", CHOOSE_MODE,
                 ("test_forced_modes_and_fallbacks", "test_swap_room_counts_written_blocks_only",
@@ -218,6 +237,12 @@ ALTERNATIVES = [
     Alternative("09_multi_lora", "assign", "victims_while_walking", ASSIGN,
                 ("test_assign_free_slots_then_lru", "test_assign_resident_adapters_cost_nothing",
                  "test_assign_no_room_changes_nothing", "test_assign_random_workloads")),
+    Alternative("14_find_the_bottleneck", "write_kv", "index_copy_in_torch", KV_WRITE,
+                ("test_write_kv_writes_every_slot", "test_write_kv_no_loop_over_tokens")),
+    Alternative("14_find_the_bottleneck", "block_tables", "gathered_in_torch", TABLES,
+                ("test_block_tables_ragged_rows", "test_block_tables_not_rebuilt_from_python_lists")),
+    Alternative("14_find_the_bottleneck", "remove_finished", "by_identity_in_place", REMOVE,
+                ("test_remove_finished_keeps_the_order", "test_remove_finished_is_linear")),
 ]
 
 
