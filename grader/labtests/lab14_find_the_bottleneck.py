@@ -516,7 +516,7 @@ def test_engine_decode_step_cost_does_not_grow_with_the_batch(student):
 
 
 SPEED_WORKLOAD = dict(num=48, prompt_len=64, max_tokens=8)
-SPEED_ARGS = dict(num_gpu_blocks=2048)  # a cache of 4 MiB per layer: what a copy of it costs shows
+SPEED_ARGS = dict(num_gpu_blocks=2048)  # 4 MiB per K or V tensor and layer: what a copy of it costs shows
 PAIRS = 3
 # Measured on the loaded 2-core machine (load average 6 to 8), median of 3 alternating pairs, slow / fixed: alone,
 # after a torch.profiler run in the same process (as in the notebook), and with tests/cpu_hog.py spinning on both
