@@ -56,6 +56,8 @@ from engine_core.worker.kv_scales import KVAmax, save_kv_amax
 __all__ = ["save_kv_amax", "GPUS", "LLM", "BlockHash", "BlockPool", "EngineConfig", "EngineRun", "FakeRunner", "KVAmax", "KVCache",
            "KVCacheBlock", "KVCacheManager", "LLMEngine", "build_manager", "build_pool", "check_invariants", "ModelSpec", "Request", "RequestStatus", "SamplingParams",
            "ScheduledChunk", "Scheduler", "SchedulerOutput", "TINY_SPEC", "held_blocks", "make_engine",
+           # speculative decoding (lab 10)
+           "fake_continuation", "verify_greedy",
            "make_request", "make_scheduler", "memory", "reference_output", "run_engine", "run_to_completion", "step",
            # multi-LoRA (lab 09)
            "LoRAMapping", "LoRARequest", "LoRASlotPool", "LoRAStack", "adapter_path", "preset_path",
@@ -90,11 +92,36 @@ def reference_output(prompt: Sequence[int], max_tokens: int, eos: int | None = N
         kv = mix(kv, out[-1])
 
 
+def verify_greedy(drafts: Sequence[int], greedy: Sequence[int]) -> list[int]:
+    """Greedy verification by hand: the drafts while each equals the model's token at its place
+    (`greedy[j]` follows draft j - 1), then the model's own token (a correction, or the bonus token)."""
+    emitted = []
+    for d, g in zip(drafts, greedy):
+        emitted.append(g)
+        if d != g:
+            return emitted
+    return emitted + [greedy[len(drafts)]]
+
+
+def fake_continuation(token_ids: Sequence[int], n: int) -> list[int]:
+    """The fake model's next `n` greedy tokens after `token_ids` (what a perfect draft proposes)."""
+    kv = -1
+    for t in token_ids:
+        kv = mix(kv, t)
+    out = []
+    for _ in range(n):
+        out.append(kv % VOCAB)
+        kv = mix(kv, out[-1])
+    return out
+
+
 Slot = tuple[int, int] | None  # (position, KV value) written there, or nothing yet
 
 
 class FakeRunner:
-    """Executes a SchedulerOutput against a fake paged KV cache: swap copies first, then the chunks."""
+    """Executes a SchedulerOutput against a fake paged KV cache: swap copies first, then the chunks. A
+    chunk with draft tokens (speculative decoding) writes their KV in its lookahead slots too and emits
+    what greedy verification of them against the fake model gives (`verify_greedy`)."""
 
     def __init__(self, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         self.bs = block_size
@@ -116,14 +143,18 @@ class FakeRunner:
         sampled = {}
         for chunk in out.scheduled:
             rid, table = chunk.request.request_id, self.tables.update(chunk)
-            end = chunk.start + chunk.num_tokens
+            drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+            end = chunk.start + chunk.num_tokens + len(drafts)
             assert len(table) * self.bs >= end, f"request {rid}: block table {table} is too short for {end} tokens"
             kv = -1 if chunk.start == 0 else self.read(table, chunk.start - 1, rid)
-            for pos, tok in enumerate(chunk.token_ids, start=chunk.start):
+            greedy = []  # the model's next token after the chunk's last token and after each draft
+            for pos, tok in enumerate(chunk.token_ids + list(drafts), start=chunk.start):
                 kv = mix(kv, tok)
                 self.gpu[table[pos // self.bs]][pos % self.bs] = (pos, kv)
+                if pos >= chunk.start + chunk.num_tokens - 1:
+                    greedy.append(kv % VOCAB)
             if chunk.emits:
-                sampled[rid] = [kv % VOCAB]
+                sampled[rid] = verify_greedy(drafts, greedy)
         return ModelRunnerOutput(sampled)
 
     def read(self, table: list[int], pos: int, rid: str) -> int:

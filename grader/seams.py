@@ -69,6 +69,9 @@ KV_SCALES = "engine_core.worker.kv_scales"
 LAB07 = "07_flash_decoding"
 FLASH_DECODING = "kernels.flash_decoding"
 SPLIT_POLICY = "kernels.split_policy"
+LAB10 = "10_speculative_decoding"
+REJECTION_SAMPLER = "engine_core.worker.rejection_sampler"
+NGRAM_PROPOSER = "engine_core.spec_decode.ngram_proposer"
 
 SEAMS: tuple[Seam, ...] = (
     # engine call sites pass cdiv's two arguments positionally; the exercise names them
@@ -148,6 +151,20 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB08, KV_SCALES, "amax_per_head", "amax_per_head"),
     Seam(LAB08, f"{KV_SCALES}.KVAmax", "scales", "scales", _state(f"{KV_SCALES}.KVAmax", "key", "value")),
     Seam(LAB08, KERNELS_REFERENCE, "reshape_and_cache", "reshape_and_cache"),
+
+    # the verifier (the engine's RejectionSampler calls both on every speculating request) and the proposer
+    Seam(LAB10, REJECTION_SAMPLER, "greedy_verify", "greedy_verify",
+         helpers=(f"{REJECTION_SAMPLER}._valid", f"{REJECTION_SAMPLER}._emit")),
+    Seam(LAB10, REJECTION_SAMPLER, "residual_probs", "residual_probs"),
+    Seam(LAB10, REJECTION_SAMPLER, "rejection_sample", "rejection_sample"),
+    Seam(LAB10, f"{NGRAM_PROPOSER}.NgramProposer", "propose", "propose",
+         _state(f"{NGRAM_PROPOSER}.NgramProposer", "min_n", "max_n", "k"),
+         helpers=(f"{NGRAM_PROPOSER}._first_occurrence",)),
+    Seam(LAB10, SCHEDULER, "_schedule_drafts", "_schedule_drafts",
+         _state(SCHEDULER, "max_num_batched_tokens", "max_model_len", "proposer", "kv_cache_manager", "_sent_tables")
+         + _state(KV_CACHE_MANAGER, "req_to_blocks")),
+    Seam(LAB10, SCHEDULER, "_commit_verified_tokens", "_commit_verified_tokens",
+         _state(SCHEDULER, "max_model_len", "kv_cache_manager")),
 )
 
 
