@@ -63,6 +63,10 @@ ENGINE_TESTS = {
                           "tests/kernels/test_flash_decoding.py", "tests/kernels/test_split_policy.py"),
     "08_fp8_kv_cache": ("tests/kernels/test_fp8.py",),
     "09_multi_lora": ("tests/lora/test_lora_slots.py", "tests/lora/test_lora_scheduler.py"),
+    # the sampler's distribution tests, the proposer's cases, the scheduler's lookahead and rollback (no model)
+    "10_speculative_decoding": ("tests/worker/test_rejection_sampler.py", "tests/spec_decode/test_ngram_proposer.py",
+                                "tests/engine/test_spec_decode.py::test_rejected_drafts_roll_back_and_their_slots_are_reused",
+                                "tests/engine/test_spec_decode.py::test_drafts_fall_back_to_a_plain_decode_without_budget_or_blocks"),
 }
 
 

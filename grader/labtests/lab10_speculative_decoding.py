@@ -233,6 +233,25 @@ def _expect_exact(student, case, p, q):
                  f"{ {c: f'{pv:.2g}' for c, pv in pvalues.items()} })")
 
 
+@pytest.mark.points(1)
+@pytest.mark.task("rejection_sample")
+def test_rejection_sample_no_python_loop_over_requests(student):
+    """The batch verified with tensor ops: as many torch calls (grader.harness.CountTorchCalls) for 256
+    requests as for 4. A loop over the requests gives the same tokens and one kernel launch per request
+    and op on a GPU, every step."""
+    p, q = CASES["q uniform"]
+    target, drafts, draft_probs, uniforms, noise = _draws(p, q, seed=5)
+    counts = []
+    with plug(student, LAB, only=["rejection_sample", "greedy_verify", "residual_probs"]):
+        for b in (4, 256):
+            with CountTorchCalls() as calls:
+                student.rejection_sample(target[:b], drafts[:b], torch.full((b,), K), uniforms[:b], noise[:b],
+                                         draft_probs[:b])
+            counts.append(calls.calls)
+    expect_equal(counts[1] - counts[0], 0, "torch calls of rejection_sample on 256 requests minus those on 4 "
+                                           "(K = 2, V = 6): more requests must not mean more calls")
+
+
 @pytest.mark.points(3)
 @pytest.mark.task("rejection_sample")
 def test_rejection_sample_keeps_the_target_distribution(student):
@@ -283,25 +302,6 @@ def test_rejection_sample_ragged_drafts(student):
                  "argmax(p_0 / noise_0), then PLACEHOLDER")
     expect_equal(int((out[num_draft == 1, 2] != PLACEHOLDER).sum()), 0,
                  "rejection_sample, requests with num_draft 1: how many emitted a third token")
-
-
-@pytest.mark.points(1)
-@pytest.mark.task("rejection_sample")
-def test_rejection_sample_no_python_loop_over_requests(student):
-    """The batch verified with tensor ops: as many torch calls (grader.harness.CountTorchCalls) for 256
-    requests as for 4. A loop over the requests gives the same tokens and one kernel launch per request
-    and op on a GPU, every step."""
-    p, q = CASES["q uniform"]
-    target, drafts, draft_probs, uniforms, noise = _draws(p, q, seed=5)
-    counts = []
-    with plug(student, LAB, only=["rejection_sample", "greedy_verify", "residual_probs"]):
-        for b in (4, 256):
-            with CountTorchCalls() as calls:
-                student.rejection_sample(target[:b], drafts[:b], torch.full((b,), K), uniforms[:b], noise[:b],
-                                         draft_probs[:b])
-            counts.append(calls.calls)
-    expect_equal(counts[1] - counts[0], 0, "torch calls of rejection_sample on 256 requests minus those on 4 "
-                                           "(K = 2, V = 6): more requests must not mean more calls")
 
 
 # ---- task 5: the n-gram proposer (contract only) ---------------------------------------------------
@@ -610,12 +610,11 @@ def test_kv_block_accounting_after_rejections(student):
     with plug(student, LAB, only=SCHEDULER_SEAMS):
         trace, outputs, problems, held, stats = _run_workload(enable_prefix_caching=True, num_gpu_blocks=40,
                                                               max_num_batched_tokens=16)
-    ref = _reference_workload()
     setup = f"workload {WORKLOAD} (id, prompt, max_tokens), prefix caching, 40 blocks of 4, budget 16, k = 3"
     expect_equal(problems, [], f"{setup}: the first problems seen")
     expect_equal(outputs, {rid: reference_output(p, n) for rid, p, n in WORKLOAD}, f"{setup}: each request's tokens")
     expect_equal(held, [], f"{setup}: (pool, block, ref_cnt) still held after every request finished")
-    expect_equal((stats, trace), (ref[4], ref[0]),
+    expect_equal((stats, trace), (_reference_workload()[4], _reference_workload()[0]),
                  f"{setup}: (the spec_decode counters, the drafts per request in each step), against the reference "
                  "scheduler's")
 
@@ -653,7 +652,8 @@ def test_preemption_with_drafts_in_flight(student):
 E2E_SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 E2E_PROMPTS = [list(range(10, 20)) * 3, [5, 6, 7, 8] * 5, [(37 * i) % 500 + 3 for i in range(20)],
                list(range(10, 20)) * 2 + [77, 78]]
-E2E_ARGS = dict(block_size=4, max_model_len=128, max_num_batched_tokens=32, enable_prefix_caching=True)
+E2E_ARGS = dict(block_size=4, max_model_len=128, max_num_batched_tokens=32, enable_prefix_caching=True,
+                num_gpu_blocks=128)
 ENGINE_SEAMS = ["greedy_verify", "rejection_sample", "propose", "_schedule_drafts", "_commit_verified_tokens"]
 
 
@@ -694,12 +694,11 @@ def test_engine_with_speculation_equals_the_engine_without(student):
     accepted tokens as the reference engine with speculation; every block free at the end."""
     with plug(student, LAB, only=ENGINE_SEAMS) as plugged:
         tokens, counters, whole = _run_e2e(E2E_SPEC)
-    plain, ref_counters = _reference_e2e()
     setup = (f"tiny-llama, {E2E_SPEC}, prompts of lengths {[len(p) for p in E2E_PROMPTS]}, greedy then seeded "
              f"(temperature 0.8, top_k 20)")
     expect_equal(plugged.uncalled(), [], f"{setup}: your functions the engine never called")
-    expect_equal(tokens[:4], plain[:4], f"{setup}: the greedy requests' tokens (the engine without speculation)")
-    expect_equal(tokens[4:], plain[4:], f"{setup}: the seeded requests' tokens (the engine without speculation)")
-    expect_equal((counters, whole), (ref_counters, True),
+    expect_equal(tokens[:4], _reference_e2e()[0][:4], f"{setup}: the greedy requests' tokens (the engine without speculation)")
+    expect_equal(tokens[4:], _reference_e2e()[0][4:], f"{setup}: the seeded requests' tokens (the engine without speculation)")
+    expect_equal((counters, whole), (_reference_e2e()[1], True),
                  f"{setup}: (drafts, draft tokens, accepted tokens; every GPU block free after the run), against the "
                  "reference engine with speculation")
