@@ -190,6 +190,44 @@ for i in step:
 return loads
 """
 
+# lab 10: the acceptance as min(1, p/q) with a division, the accepted drafts written through a mask
+REJECTION = """\
+if draft_probs is None:
+    return greedy_verify(torch.argmax(target_probs / noise, dim=2), draft_token_ids, num_draft)
+B, K = draft_token_ids.shape
+d = draft_token_ids.clamp(min=0)
+p_d = torch.gather(target_probs[:, :K], 2, d.unsqueeze(-1)).squeeze(-1)
+q_d = torch.gather(draft_probs, 2, d.unsqueeze(-1)).squeeze(-1)
+ratio = torch.minimum(torch.ones_like(p_d), p_d / q_d.clamp(min=1e-30))
+ok = (uniforms < ratio) & (torch.arange(K)[None] < num_draft[:, None])
+n = torch.cumprod(ok.long(), 1).sum(1)
+idx = torch.arange(B)
+p_n = target_probs[idx, n]
+if K:
+    p_n = torch.where((n < num_draft)[:, None], residual_probs(p_n, draft_probs[idx, n.clamp(max=K - 1)]), p_n)
+out = torch.full((B, K + 1), PLACEHOLDER, dtype=torch.long)
+keep = torch.arange(K)[None] < n[:, None]
+out[:, :K][keep] = draft_token_ids[keep]
+out[idx, n] = torch.argmax(p_n / noise[idx, n], dim=1)
+return out
+"""
+
+# lab 10: the lookup sizes walked from max_n, windows compared as tuples
+PROPOSE = """\
+k = self.k if max_tokens is None else min(self.k, max_tokens)
+if k <= 0:
+    return []
+tokens = list(token_ids)
+for n in range(self.max_n, self.min_n - 1, -1):
+    if n >= len(tokens):
+        continue
+    suffix = tuple(tokens[-n:])
+    starts = [i for i in range(len(tokens) - n) if tuple(tokens[i:i + n]) == suffix]
+    if starts:
+        return tokens[starts[0] + n:starts[0] + n + k]
+return []
+"""
+
 ALTERNATIVES = [
     Alternative("03_preemption", "choose_preemption_mode", "room_by_hand", CHOOSE_MODE,
                 ("test_forced_modes_and_fallbacks", "test_swap_room_counts_written_blocks_only",
@@ -218,6 +256,12 @@ ALTERNATIVES = [
     Alternative("09_multi_lora", "assign", "victims_while_walking", ASSIGN,
                 ("test_assign_free_slots_then_lru", "test_assign_resident_adapters_cost_nothing",
                  "test_assign_no_room_changes_nothing", "test_assign_random_workloads")),
+    Alternative("10_speculative_decoding", "rejection_sample", "division_and_masks", REJECTION,
+                ("test_rejection_sample_no_python_loop_over_requests", "test_rejection_sample_keeps_the_target_distribution",
+                 "test_rejection_sample_disjoint_supports", "test_rejection_sample_one_hot_drafts",
+                 "test_rejection_sample_ragged_drafts")),
+    Alternative("10_speculative_decoding", "propose", "tuples_from_max_n", PROPOSE,
+                ("test_propose_crafted_streams", "test_propose_random_streams")),
 ]
 
 
