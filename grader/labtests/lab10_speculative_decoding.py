@@ -413,6 +413,26 @@ def _spec_scheduler(num_gpu_blocks=64, k=3, **config):
     return sched
 
 
+def _commit_as_specified(self, request, chunk, tokens, now):
+    """Task 6b's contract, for the tests of task 6a (the notebook's `_commit_verified_tokens` comes after
+    it): append until a stop, num_computed_tokens over the chunk and the accepted drafts, cache those."""
+    status, num_appended = None, 0
+    for token in tokens:
+        request.append_token(token, now)
+        num_appended += 1
+        status = request.check_stop(self.max_model_len)
+        if status is not None:
+            break
+    request.num_computed_tokens = chunk.start + chunk.num_tokens + num_appended - 1
+    self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+    return status
+
+
+def _plug_drafts(student):
+    """The learner's `_schedule_drafts` with task 6b's contract in place of their `_commit_verified_tokens`."""
+    return plug(student, LAB, only=SCHEDULER_SEAMS, overrides={"_commit_verified_tokens": _commit_as_specified})
+
+
 def _cdiv(a, b):
     return -(-a // b)
 
@@ -427,7 +447,7 @@ def test_lookahead_slots_by_hand(student):
     request = Request("a", [1, 2, 3, 1, 2, 3, 1], SamplingParams(max_tokens=20, temperature=0.0))
     sched.add_request(request)
     kvm = sched.kv_cache_manager
-    with plug(student, LAB, only=SCHEDULER_SEAMS):
+    with _plug_drafts(student):
         out = sched.schedule()
         sched.update_from_output(out, ModelRunnerOutput({"a": [2]}))
         out = sched.schedule()
@@ -446,7 +466,7 @@ def test_drafts_fit_budget_max_tokens_and_max_model_len(student):
     decodes: 3 rows of drafts in all, the first request's first), of max_tokens (one output token left:
     no draft), of max_model_len (a request 2 tokens from it gets at most 1 draft)."""
     kinds = []
-    with plug(student, LAB, only=SCHEDULER_SEAMS):
+    with _plug_drafts(student):
         sched = _spec_scheduler(max_num_batched_tokens=6)
         for rid in "abc":
             sched.add_request(Request(rid, [4, 5, 4], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)))
@@ -479,7 +499,7 @@ def test_drafts_fit_budget_max_tokens_and_max_model_len(student):
 def test_no_free_block_means_a_plain_decode(student):
     """3 blocks of 4, two requests of 4 tokens after their first output: the first decode's lookahead
     takes the one free block, the second decodes plainly (no preemption for a draft)."""
-    with plug(student, LAB, only=SCHEDULER_SEAMS):
+    with _plug_drafts(student):
         sched = _spec_scheduler(num_gpu_blocks=3)
         for rid in "cd":
             sched.add_request(Request(rid, [1, 2, 1], SamplingParams(max_tokens=5, temperature=0.0)))
