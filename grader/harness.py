@@ -11,7 +11,9 @@ grader/seams.py), so moving an engine file is a handful of lines.
   different prefixes, a lost swap copy or a block overwritten while in use changes the tokens
   (or trips the "KV of position p missing" assertion). `reference_output` runs the same chain
   without any cache: what any correct schedule must produce. It has a GPU pool and a CPU pool
-  and performs `swap_out` / `swap_in` copies.
+  and performs `swap_out` / `swap_in` copies. With draft tokens (speculative decoding) it writes their
+  KV in the lookahead slots and verifies them greedily (`verify_greedy`); `fake_continuation` gives
+  the fake model's true next tokens, what a perfect draft proposes (lab 10).
 - `make_scheduler`, `make_request`, `step`, `run_to_completion`, `held_blocks`.
 - `build_pool`, `build_manager`: a pool or a manager in a given state, written directly (no
   seam runs), so a unit test's set-up never depends on the learner's other functions and works

@@ -152,7 +152,9 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB08, f"{KV_SCALES}.KVAmax", "scales", "scales", _state(f"{KV_SCALES}.KVAmax", "key", "value")),
     Seam(LAB08, KERNELS_REFERENCE, "reshape_and_cache", "reshape_and_cache"),
 
-    # the verifier (the engine's RejectionSampler calls both on every speculating request) and the proposer
+    # the verifiers (the engine's RejectionSampler calls greedy_verify and rejection_sample on every speculating
+    # request) and the proposer; residual_probs is graded on its own: only a draft distribution q reaches it,
+    # and the engine's n-gram drafts are one-hot (verified against the row's own sample)
     Seam(LAB10, REJECTION_SAMPLER, "greedy_verify", "greedy_verify",
          helpers=(f"{REJECTION_SAMPLER}._valid", f"{REJECTION_SAMPLER}._emit")),
     Seam(LAB10, REJECTION_SAMPLER, "residual_probs", "residual_probs"),
