@@ -9,7 +9,7 @@ import torch
 from engine_core import LLM
 from engine_core.distributed import multiproc_executor
 from engine_core.distributed.parallel_state import GroupCoordinator, get_pp_indices, output_rank
-from engine_core.models.parallel_linear import TPShard, VocabParallelEmbedding
+from engine_core.models.parallel_linear import COLUMN, ROW, TPShard, VocabParallelEmbedding, layer_shards
 from parallel_helpers import child_processes
 
 
@@ -35,11 +35,18 @@ def shard(rank: int, size: int) -> TPShard:
     (8, 8, 2, [((0, 4), (0, 4)), ((4, 8), (4, 8))]),
 ])
 def test_tp_heads_with_kv_replication(heads, kv_heads, tp, expected):
-    got = [shard(r, tp).heads(heads, kv_heads) for r in range(tp)]
-    assert [((q.start, q.stop), (kv.start, kv.stop)) for q, kv in got] == expected
-    for (q, kv) in got:  # every query head of a rank finds its KV head (GQA group) on that rank
-        group = heads // kv_heads
-        assert all(kv.start <= h // group < kv.stop for h in range(q.start, q.stop))
+    d, mlp = 4, 8 * tp  # head_dim, intermediate_size
+    got = [shard(r, tp).layer(heads, kv_heads, d, mlp) for r in range(tp)]
+    as_heads = [((s["q_proj"][1].start // d, s["q_proj"][1].stop // d), (s["k_proj"][1].start // d, s["k_proj"][1].stop // d))
+                for s in got]
+    assert as_heads == expected
+    group = heads // kv_heads
+    for r, s in enumerate(got):  # every query head of a rank finds its KV head (GQA group) on that rank
+        (q0, q1), (kv0, kv1) = as_heads[r]
+        assert all(kv0 <= h // group < kv1 for h in range(q0, q1))
+        assert s["v_proj"] == s["k_proj"] and s["o_proj"] == (ROW, s["q_proj"][1])
+        assert s["gate_proj"] == s["up_proj"] == (COLUMN, slice(8 * r, 8 * (r + 1))) and s["down_proj"] == (ROW, s["up_proj"][1])
+    assert got[0] == layer_shards(heads, kv_heads, d, mlp, 0, tp)
 
 
 def test_vocab_shards_are_padded_with_zero_rows():
