@@ -69,6 +69,9 @@ KV_SCALES = "engine_core.worker.kv_scales"
 LAB07 = "07_flash_decoding"
 FLASH_DECODING = "kernels.flash_decoding"
 SPLIT_POLICY = "kernels.split_policy"
+LAB11 = "11_parallelism"
+PARALLEL_LINEAR = "engine_core.models.parallel_linear"
+ROW_PARALLEL, VOCAB_PARALLEL = f"{PARALLEL_LINEAR}.RowParallelLinear", f"{PARALLEL_LINEAR}.VocabParallelEmbedding"
 
 SEAMS: tuple[Seam, ...] = (
     # engine call sites pass cdiv's two arguments positionally; the exercise names them
@@ -148,6 +151,12 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB08, KV_SCALES, "amax_per_head", "amax_per_head"),
     Seam(LAB08, f"{KV_SCALES}.KVAmax", "scales", "scales", _state(f"{KV_SCALES}.KVAmax", "key", "value")),
     Seam(LAB08, KERNELS_REFERENCE, "reshape_and_cache", "reshape_and_cache"),
+
+    # lab 11: the engine calls these in its worker processes (grader/worker_plug.py plugs them there too)
+    Seam(LAB11, PARALLEL_LINEAR, "layer_shards", "layer_shards"),
+    Seam(LAB11, ROW_PARALLEL, "forward", "row_parallel_forward", _state(ROW_PARALLEL, "tp")),
+    Seam(LAB11, VOCAB_PARALLEL, "forward", "embedding_forward", _state(VOCAB_PARALLEL, "weight", "tp", "start", "end")),
+    Seam(LAB11, "engine_core.distributed.parallel_state", "get_pp_indices", "get_pp_indices"),
 )
 
 
