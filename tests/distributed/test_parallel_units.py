@@ -1,6 +1,7 @@
 """The parallel engine's rules without starting a process: vLLM's pipeline layer split, which heads and
-rows a TP rank holds (KV heads replicated past num_kv_heads), the vocab shards' padding, and the
-machine-size refusal that comes before any worker is spawned."""
+rows a TP rank holds (KV heads replicated past num_kv_heads), the vocab shards' padding, the general
+plugins a worker runs (ENGINE_CORE_PLUGINS), and the machine-size refusal that comes before any worker
+is spawned."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +11,7 @@ from engine_core import LLM
 from engine_core.distributed import multiproc_executor
 from engine_core.distributed.parallel_state import GroupCoordinator, get_pp_indices, output_rank
 from engine_core.models.parallel_linear import COLUMN, ROW, TPShard, VocabParallelEmbedding, layer_shards
+from engine_core.plugins import PLUGINS_ENV, load_general_plugins
 from parallel_helpers import child_processes
 
 
@@ -65,3 +67,16 @@ def test_more_ranks_than_cores_is_refused_before_any_process(monkeypatch):
     with pytest.raises(ValueError, match="= 2 worker processes need at least one CPU core each; this machine has 1"):
         LLM("tiny-llama", tensor_parallel_size=2)
     assert {p.pid for p in child_processes()} == before
+
+
+def test_general_plugins_run_in_order_and_a_malformed_entry_is_named(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "_plugin_probe_a", lambda: calls.append("a"), raising=False)
+    monkeypatch.setattr(torch, "_plugin_probe_b", lambda: calls.append("b"), raising=False)
+    monkeypatch.setenv(PLUGINS_ENV, "torch:_plugin_probe_b, torch:_plugin_probe_a")
+    assert load_general_plugins() == ["torch:_plugin_probe_b", "torch:_plugin_probe_a"] and calls == ["b", "a"]
+    monkeypatch.setenv(PLUGINS_ENV, "torch._plugin_probe_a")
+    with pytest.raises(ValueError, match="'package.module:function', got 'torch._plugin_probe_a'"):
+        load_general_plugins()
+    monkeypatch.delenv(PLUGINS_ENV)
+    assert load_general_plugins() == []
