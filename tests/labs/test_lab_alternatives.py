@@ -104,7 +104,10 @@ return self.tp.all_reduce(rows)
 
 # lab 11: the grid filled stage by stage, slot by slot
 SCHEDULE = """\
-_check_pipeline(num_microbatches, num_stages)
+if type(num_microbatches) is not int or num_microbatches < 1:
+    raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+if type(num_stages) is not int or num_stages < 1:
+    raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
 grid = [[None] * (num_microbatches + num_stages - 1) for _ in range(num_stages)]
 for mb in range(num_microbatches):
     for stage in range(num_stages):
