@@ -19,7 +19,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-kernels bench-lora bench-lora-gpu fp8-accuracy quant-accuracy gpu-check labs grade clean
+.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-kernels bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy gpu-check labs grade clean
 
 venv: $(STAMP)
 
@@ -125,6 +125,10 @@ gpu-check: venv
 bench-lora: venv
 	$(PY) -m benchmarks.lora --model small-llama --num-requests 32 --input-len 8:64 --output-len 8:32 --threads 1 \
 		--repeats 2
+
+# gloo all-reduce latency and bandwidth on loopback (2 processes), fitted to lab 01's alpha-beta model (~10 s)
+bench-allreduce: venv
+	$(PY) -m benchmarks.allreduce --world-size 2
 
 bench-lora-gpu: venv
 	$(PY) -m benchmarks.lora --device cuda --model qwen3-0.6b-shape --num-requests 256 \

@@ -72,6 +72,9 @@ SPLIT_POLICY = "kernels.split_policy"
 LAB10 = "10_speculative_decoding"
 REJECTION_SAMPLER = "engine_core.worker.rejection_sampler"
 NGRAM_PROPOSER = "engine_core.spec_decode.ngram_proposer"
+LAB11 = "11_parallelism"
+PARALLEL_LINEAR = "engine_core.models.parallel_linear"
+ROW_PARALLEL, VOCAB_PARALLEL = f"{PARALLEL_LINEAR}.RowParallelLinear", f"{PARALLEL_LINEAR}.VocabParallelEmbedding"
 
 SEAMS: tuple[Seam, ...] = (
     # engine call sites pass cdiv's two arguments positionally; the exercise names them
@@ -167,6 +170,11 @@ SEAMS: tuple[Seam, ...] = (
          + _state(KV_CACHE_MANAGER, "req_to_blocks")),
     Seam(LAB10, SCHEDULER, "_commit_verified_tokens", "_commit_verified_tokens",
          _state(SCHEDULER, "max_model_len", "kv_cache_manager")),
+    # lab 11: the engine calls these in its worker processes (grader/worker_plug.py plugs them there too)
+    Seam(LAB11, PARALLEL_LINEAR, "layer_shards", "layer_shards"),
+    Seam(LAB11, ROW_PARALLEL, "forward", "row_parallel_forward", _state(ROW_PARALLEL, "tp")),
+    Seam(LAB11, VOCAB_PARALLEL, "forward", "embedding_forward", _state(VOCAB_PARALLEL, "weight", "tp", "start", "end")),
+    Seam(LAB11, "engine_core.distributed.parallel_state", "get_pp_indices", "get_pp_indices"),
 )
 
 

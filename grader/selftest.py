@@ -67,6 +67,7 @@ ENGINE_TESTS = {
     "10_speculative_decoding": ("tests/worker/test_rejection_sampler.py", "tests/spec_decode/test_ngram_proposer.py",
                                 "tests/engine/test_spec_decode.py::test_rejected_drafts_roll_back_and_their_slots_are_reused",
                                 "tests/engine/test_spec_decode.py::test_drafts_fall_back_to_a_plain_decode_without_budget_or_blocks"),
+    "11_parallelism": ("tests/distributed/test_parallel_units.py",),
 }
 
 

@@ -77,6 +77,44 @@ while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
     budget -= num_new
 """
 
+# lab 11: heads first, then rows; the KV head found from the rank's first query head's group
+SHARDS = """\
+q_heads = num_heads // tp_size
+first_q = tp_rank * q_heads
+if num_kv_heads >= tp_size:
+    kv_heads = range(tp_rank * num_kv_heads // tp_size, (tp_rank + 1) * num_kv_heads // tp_size)
+else:
+    kv_heads = range(first_q // (num_heads // num_kv_heads), first_q // (num_heads // num_kv_heads) + 1)
+rows = lambda first, n: slice(first * head_dim, (first + n) * head_dim)  # noqa: E731
+q, kv = rows(first_q, q_heads), rows(kv_heads[0], len(kv_heads))
+f = intermediate_size // tp_size
+mlp = slice(tp_rank * f, tp_rank * f + f)
+out = {name: (COLUMN, q if name == "q_proj" else kv) for name in ("q_proj", "k_proj", "v_proj")}
+out.update(o_proj=(ROW, q), gate_proj=(COLUMN, mlp), up_proj=(COLUMN, mlp), down_proj=(ROW, mlp))
+return out
+"""
+
+# lab 11: a lookup that multiplies by the mask instead of filling
+EMBED = """\
+local = input_ids - self.start
+mine = (local >= 0) & (local < self.end - self.start)
+rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+return self.tp.all_reduce(rows)
+"""
+
+# lab 11: the grid filled stage by stage, slot by slot
+SCHEDULE = """\
+if type(num_microbatches) is not int or num_microbatches < 1:
+    raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+if type(num_stages) is not int or num_stages < 1:
+    raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
+grid = [[None] * (num_microbatches + num_stages - 1) for _ in range(num_stages)]
+for mb in range(num_microbatches):
+    for stage in range(num_stages):
+        grid[stage][mb + stage] = mb
+return grid
+"""
+
 # lab 07: softmax over the splits (an all-empty row gives NaN, set to 0) and one einsum
 MERGE = """\
 weights = torch.nan_to_num(torch.softmax(lse, dim=-1), nan=0.0)
@@ -262,6 +300,13 @@ ALTERNATIVES = [
                  "test_rejection_sample_ragged_drafts")),
     Alternative("10_speculative_decoding", "propose", "tuples_from_max_n", PROPOSE,
                 ("test_propose_crafted_streams", "test_propose_random_streams")),
+    Alternative("11_parallelism", "layer_shards", "heads_first", SHARDS,
+                ("test_layer_shards_by_hand", "test_sharded_layer_equals_unsharded_float64",
+                 "test_kv_heads_replicated_past_num_kv_heads", "test_engine_loads_the_shards")),
+    Alternative("11_parallelism", "embedding_forward", "multiply_by_the_mask", EMBED,
+                ("test_embedding_shards_sum_to_the_table", "test_embedding_shard_edges")),
+    Alternative("11_parallelism", "pipeline_schedule", "filled_by_loops", SCHEDULE,
+                ("test_schedule_by_hand", "test_schedule_contract_every_size", "test_schedule_rejects_bad_sizes")),
 ]
 
 
