@@ -28,8 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from engine_core.entrypoints.request_metrics import (SLO_METRICS, LatencyMetrics, meets_slos, percentile,
+                                                    request_metrics)
+
 PERCENTILES = (50, 90, 99)
-SLO_METRICS = ("ttft", "tpot", "e2el")  # vLLM's --goodput keys; values in milliseconds
 
 
 @dataclass
@@ -98,16 +100,15 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: 
 
 def meets(result: RequestResult, slos: dict[str, float]) -> bool:
     """A request counts for goodput only if it succeeded and met every SLO."""
-    values = {"ttft": result.ttft, "tpot": result.tpot, "e2el": result.e2e}
-    return result.success and all(values[k] is None or values[k] <= v for k, v in slos.items())
+    return result.success and meets_slos(LatencyMetrics(result.ttft, result.itl, result.tpot, result.e2e), slos)
 
 
 def distribution(values: list[float]) -> dict[str, float]:
     """mean and P50/P90/P99 in milliseconds (zeros when empty)."""
     if not values:
         return {"mean_ms": 0.0, **{f"p{p}_ms": 0.0 for p in PERCENTILES}}
-    ms = np.asarray(values, dtype=np.float64) * 1000.0
-    return {"mean_ms": float(ms.mean()), **{f"p{p}_ms": float(np.percentile(ms, p)) for p in PERCENTILES}}
+    ms = [v * 1000.0 for v in values]
+    return {"mean_ms": float(np.mean(ms)), **{f"p{p}_ms": percentile(ms, p) for p in PERCENTILES}}
 
 
 def summarize(results: list[RequestResult], duration_s: float, slos: dict[str, float] | None = None) -> dict[str, Any]:
@@ -135,7 +136,8 @@ async def send(client: Any, base_url: str, model: str, prompt: list[int], output
     result = RequestResult(prompt_len=len(prompt))
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    start = last = time.perf_counter()
+    start = time.perf_counter()
+    chunk_times: list[float] = []
     try:
         async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -150,17 +152,17 @@ async def send(client: Any, base_url: str, model: str, prompt: list[int], output
                     return result
                 now = time.perf_counter()
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    if result.ttft == 0.0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
+                    chunk_times.append(now)
                 if chunk.get("usage"):
                     result.output_len = chunk["usage"]["completion_tokens"]
-        result.e2e = time.perf_counter() - start
-        result.success = result.output_len > 0
+        end = time.perf_counter()
+        result.e2e = end - start
+        result.success = result.output_len > 0 and bool(chunk_times)
         if not result.success:
-            result.error = "no usage chunk (the server did not report completion tokens)"
+            result.error = "no usage chunk or no text (the server did not report completion tokens)"
+        else:
+            m = request_metrics(start, chunk_times, end, result.output_len)
+            result.ttft, result.itl = m.ttft, m.itl
     except Exception as e:  # a refused connection, a reset: counted as failed, the run goes on
         result.error = f"{type(e).__name__}: {e}"
     return result

@@ -69,6 +69,11 @@ KV_SCALES = "engine_core.worker.kv_scales"
 LAB07 = "07_flash_decoding"
 FLASH_DECODING = "kernels.flash_decoding"
 SPLIT_POLICY = "kernels.split_policy"
+LAB12 = "12_serving"
+PRIORITY_QUEUE = "engine_core.core.request_queue.PriorityRequestQueue"
+REQUEST_METRICS = "engine_core.entrypoints.request_metrics"
+ROUTER_POLICIES = "engine_core.entrypoints.router.policies"
+HASH_RING = f"{ROUTER_POLICIES}.HashRing"
 
 SEAMS: tuple[Seam, ...] = (
     # engine call sites pass cdiv's two arguments positionally; the exercise names them
@@ -148,6 +153,18 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB08, KV_SCALES, "amax_per_head", "amax_per_head"),
     Seam(LAB08, f"{KV_SCALES}.KVAmax", "scales", "scales", _state(f"{KV_SCALES}.KVAmax", "key", "value")),
     Seam(LAB08, KERNELS_REFERENCE, "reshape_and_cache", "reshape_and_cache"),
+
+    # priority scheduling: the waiting queue's order (admission) and the preemption victim
+    Seam(LAB12, PRIORITY_QUEUE, "append", "append", _state(PRIORITY_QUEUE, "_keys", "_requests")),
+    Seam(LAB12, SCHEDULER, "_select_victim", "_select_victim", _state(SCHEDULER, "running")),
+    # the load generator's per-request metrics, percentiles and goodput
+    Seam(LAB12, REQUEST_METRICS, "request_metrics", "request_metrics"),
+    Seam(LAB12, REQUEST_METRICS, "percentile", "percentile"),
+    Seam(LAB12, REQUEST_METRICS, "meets_slos", "meets_slos"),
+    # the router's consistent hashing with bounded loads
+    Seam(LAB12, HASH_RING, "lookup", "lookup", _state(HASH_RING, "_hashes", "_urls")),
+    Seam(LAB12, ROUTER_POLICIES, "load_bound", "load_bound"),
+    Seam(LAB12, ROUTER_POLICIES, "prefix_aware", "prefix_aware"),
 )
 
 
