@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from engine_core.entrypoints.request_metrics import (SLO_METRICS, LatencyMetrics, meets_slos, percentile,
-                                                    request_metrics)
+from engine_core.entrypoints import request_metrics as metrics  # module attributes: lab 12 plugs them
+from engine_core.entrypoints.request_metrics import SLO_METRICS, LatencyMetrics
 
 PERCENTILES = (50, 90, 99)
 
@@ -100,7 +100,7 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: 
 
 def meets(result: RequestResult, slos: dict[str, float]) -> bool:
     """A request counts for goodput only if it succeeded and met every SLO."""
-    return result.success and meets_slos(LatencyMetrics(result.ttft, result.itl, result.tpot, result.e2e), slos)
+    return result.success and metrics.meets_slos(LatencyMetrics(result.ttft, result.itl, result.tpot, result.e2e), slos)
 
 
 def distribution(values: list[float]) -> dict[str, float]:
@@ -108,7 +108,7 @@ def distribution(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean_ms": 0.0, **{f"p{p}_ms": 0.0 for p in PERCENTILES}}
     ms = [v * 1000.0 for v in values]
-    return {"mean_ms": float(np.mean(ms)), **{f"p{p}_ms": percentile(ms, p) for p in PERCENTILES}}
+    return {"mean_ms": float(np.mean(ms)), **{f"p{p}_ms": metrics.percentile(ms, p) for p in PERCENTILES}}
 
 
 def summarize(results: list[RequestResult], duration_s: float, slos: dict[str, float] | None = None) -> dict[str, Any]:
@@ -161,7 +161,7 @@ async def send(client: Any, base_url: str, model: str, prompt: list[int], output
         if not result.success:
             result.error = "no usage chunk or no text (the server did not report completion tokens)"
         else:
-            m = request_metrics(start, chunk_times, end, result.output_len)
+            m = metrics.request_metrics(start, chunk_times, end, result.output_len)
             result.ttft, result.itl = m.ttft, m.itl
     except Exception as e:  # a refused connection, a reset: counted as failed, the run goes on
         result.error = f"{type(e).__name__}: {e}"

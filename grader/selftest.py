@@ -63,6 +63,9 @@ ENGINE_TESTS = {
                           "tests/kernels/test_flash_decoding.py", "tests/kernels/test_split_policy.py"),
     "08_fp8_kv_cache": ("tests/kernels/test_fp8.py",),
     "09_multi_lora": ("tests/lora/test_lora_slots.py", "tests/lora/test_lora_scheduler.py"),
+    # the queue and victim through the scheduler; the load generator's statistics; the router's choices
+    "12_serving": ("tests/core/test_request_queue.py", "tests/benchmarks/test_bench_serve.py",
+                   "tests/entrypoints/test_router_policies.py"),
 }
 
 
