@@ -12,6 +12,9 @@ a chunk may carry several tokens when the server merges them), TPOT ((E2E - TTFT
 tokens - 1)) and E2E. Reported: mean, P50, P90, P99 of each (numpy's linear percentiles, as vLLM),
 throughput, and goodput: requests per second that met every SLO given to `--goodput`.
 
+`--prefix-groups G --prefix-len L`: every prompt starts with one of G shared L-token prefixes (the
+multi-tenant workload a prefix-aware router is for); the suffix takes `--input-len`.
+
 `--sweep 1,2,4,8` runs the same workload at each offered rate in turn (instead of
 `--request-rate`) and prints one row per rate; `--plot FILE.png` draws achieved throughput against
 P50/P99 TTFT and TPOT with the SLO lines (benchmarks/serve_plot.py).
@@ -197,6 +200,18 @@ def synthetic_workload(n: int, input_len: tuple[int, int], output_len: tuple[int
     return prompts, [rng.randint(*output_len) for _ in range(n)]
 
 
+def prefix_workload(n: int, num_groups: int, prefix_len: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                    vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts that share their leading blocks, as tenants' system prompts do: `num_groups` random
+    prefixes of `prefix_len` token ids; each prompt is one of them (uniformly) and a suffix of its own."""
+    if num_groups < 1 or prefix_len < 1:
+        raise ValueError(f"--prefix-groups and --prefix-len must be >= 1, got {num_groups} and {prefix_len}")
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, vocab) for _ in range(prefix_len)] for _ in range(num_groups)]
+    suffixes, output_lens = synthetic_workload(n, input_len, output_len, vocab, seed + 1)
+    return [prefixes[rng.randrange(num_groups)] + suffix for suffix in suffixes], output_lens
+
+
 async def sweep(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int], rates: list[float],
                 slos: dict[str, float], max_concurrency: int | None = None, burstiness: float = 1.0,
                 seed: int = 0) -> list[dict[str, Any]]:
@@ -245,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="SLOs: ttft, tpot, e2el in ms")
+    parser.add_argument("--prefix-groups", type=int, default=0,
+                        help="G > 0: every prompt starts with one of G shared prefixes (a multi-tenant workload)")
+    parser.add_argument("--prefix-len", type=int, default=64, help="tokens of each shared prefix")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-file", default=None, help="write the summary and every request as JSON")
     parser.add_argument("--sweep", default=None, metavar="RATES", help="offered rates to run in turn: 1,2,4,inf")
@@ -259,8 +277,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--request-rate and --burstiness must be > 0")
     if args.plot and rates is None:
         parser.error("--plot needs --sweep")
-    prompts, output_lens = synthetic_workload(args.num_prompts, parse_range(args.input_len),
-                                              parse_range(args.output_len), args.vocab_size, args.seed)
+    if args.prefix_groups:
+        try:
+            prompts, output_lens = prefix_workload(args.num_prompts, args.prefix_groups, args.prefix_len,
+                                                   parse_range(args.input_len), parse_range(args.output_len),
+                                                   args.vocab_size, args.seed)
+        except ValueError as e:
+            parser.error(str(e))
+    else:
+        prompts, output_lens = synthetic_workload(args.num_prompts, parse_range(args.input_len),
+                                                  parse_range(args.output_len), args.vocab_size, args.seed)
     if rates is not None:
         summaries = asyncio.run(sweep(args.base_url.rstrip("/"), args.model, prompts, output_lens, rates, slos,
                                       args.max_concurrency, args.burstiness, args.seed))
