@@ -40,10 +40,13 @@ from engine_core.config import EngineConfig, KVCacheConfig, ResolvedConfig
 from engine_core.core.block_pool import BlockHash, BlockPool, KVCacheBlock
 from engine_core.core.cost_model import PreemptionCostModel
 from engine_core.core.kv_cache_manager import KVCacheManager
+from engine_core.core.request_queue import PriorityRequestQueue
 from engine_core.core.scheduler import Scheduler
 from engine_core.core.scheduler_output import BlockTables, ScheduledChunk, SchedulerOutput
 from engine_core.engine import LLMEngine
 from engine_core.entrypoints.llm import LLM
+from engine_core.entrypoints.request_metrics import LatencyMetrics
+from engine_core.entrypoints.router.policies import HashRing, ReplicaLoad
 from engine_core.lora.presets import adapter_path
 from engine_core.lora.request import LoRARequest
 from engine_core.lora.slots import LoRASlotPool
@@ -64,7 +67,9 @@ __all__ = ["save_kv_amax", "GPUS", "LLM", "BlockHash", "BlockPool", "EngineConfi
            # multi-LoRA (lab 09)
            "LoRAMapping", "LoRARequest", "LoRASlotPool", "LoRAStack", "adapter_path", "preset_path",
            # property tests; the kernel labs (06, 07, 09)
-           "lab_settings", "CountLaunches", "CountTorchCalls", "make_paged_batch", "shape_of"]
+           "lab_settings", "CountLaunches", "CountTorchCalls", "make_paged_batch", "shape_of",
+           # serving (lab 12)
+           "HashRing", "LatencyMetrics", "PriorityRequestQueue", "ReplicaLoad", "make_router"]
 
 # tiny-llama's shape: 2 layers x 2 KV heads x 16 dims, 512 bytes of fp32 KV per token
 TINY_SPEC = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
@@ -268,6 +273,15 @@ def assert_no_leaked_blocks(sched: Scheduler, what: str) -> None:
 
 
 # ---- the real engine ---------------------------------------------------------------------------
+
+def make_router(urls: Sequence[str], policy: str = "prefix_aware", balance_factor: float = 1.25) -> Any:
+    """The real router's state (engine_core.entrypoints.router.app.Router; its FastAPI app is not
+    started): `choose(body)` picks a replica; set `replicas[i].in_flight` to model requests in flight.
+    Imported here, not at the top, so labs without a router do not load FastAPI."""
+    from engine_core.entrypoints.router.app import Router
+
+    return Router(list(urls), policy=policy, balance_factor=balance_factor)
+
 
 def make_engine(model: str = "tiny-llama", **engine_args: Any) -> LLMEngine:
     """An engine on CPU unless `device` is given."""

@@ -75,6 +75,11 @@ NGRAM_PROPOSER = "engine_core.spec_decode.ngram_proposer"
 LAB11 = "11_parallelism"
 PARALLEL_LINEAR = "engine_core.models.parallel_linear"
 ROW_PARALLEL, VOCAB_PARALLEL = f"{PARALLEL_LINEAR}.RowParallelLinear", f"{PARALLEL_LINEAR}.VocabParallelEmbedding"
+LAB12 = "12_serving"
+PRIORITY_QUEUE = "engine_core.core.request_queue.PriorityRequestQueue"
+REQUEST_METRICS = "engine_core.entrypoints.request_metrics"
+ROUTER_POLICIES = "engine_core.entrypoints.router.policies"
+HASH_RING = f"{ROUTER_POLICIES}.HashRing"
 
 SEAMS: tuple[Seam, ...] = (
     # engine call sites pass cdiv's two arguments positionally; the exercise names them
@@ -175,6 +180,17 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB11, ROW_PARALLEL, "forward", "row_parallel_forward", _state(ROW_PARALLEL, "tp")),
     Seam(LAB11, VOCAB_PARALLEL, "forward", "embedding_forward", _state(VOCAB_PARALLEL, "weight", "tp", "start", "end")),
     Seam(LAB11, "engine_core.distributed.parallel_state", "get_pp_indices", "get_pp_indices"),
+    # priority scheduling: the waiting queue's order (admission) and the preemption victim
+    Seam(LAB12, PRIORITY_QUEUE, "append", "append", _state(PRIORITY_QUEUE, "_keys", "_requests")),
+    Seam(LAB12, SCHEDULER, "_select_victim", "_select_victim", _state(SCHEDULER, "running")),
+    # the load generator's per-request metrics, percentiles and goodput
+    Seam(LAB12, REQUEST_METRICS, "request_metrics", "request_metrics"),
+    Seam(LAB12, REQUEST_METRICS, "percentile", "percentile"),
+    Seam(LAB12, REQUEST_METRICS, "meets_slos", "meets_slos"),
+    # the router's consistent hashing with bounded loads
+    Seam(LAB12, HASH_RING, "lookup", "lookup", _state(HASH_RING, "_hashes", "_urls")),
+    Seam(LAB12, ROUTER_POLICIES, "load_bound", "load_bound"),
+    Seam(LAB12, ROUTER_POLICIES, "prefix_aware", "prefix_aware"),
 )
 
 

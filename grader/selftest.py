@@ -68,6 +68,9 @@ ENGINE_TESTS = {
                                 "tests/engine/test_spec_decode.py::test_rejected_drafts_roll_back_and_their_slots_are_reused",
                                 "tests/engine/test_spec_decode.py::test_drafts_fall_back_to_a_plain_decode_without_budget_or_blocks"),
     "11_parallelism": ("tests/distributed/test_parallel_units.py",),
+    # the queue and victim through the scheduler; the load generator's statistics; the router's choices
+    "12_serving": ("tests/core/test_request_queue.py", "tests/benchmarks/test_bench_serve.py",
+                   "tests/entrypoints/test_router_policies.py"),
 }
 
 

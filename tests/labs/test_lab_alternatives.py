@@ -264,6 +264,43 @@ for n in range(self.max_n, self.min_n - 1, -1):
     if starts:
         return tokens[starts[0] + n:starts[0] + n + k]
 return []
+# lab 12: the ring searched by a hand-written binary search (reads O(log n) hashes, no bisect)
+LOOKUP = """\
+n = len(self._hashes)
+h = _hash(key)
+lo, hi = 0, n
+while lo < hi:
+    mid = (lo + hi) // 2
+    if self._hashes[mid] <= h:
+        lo = mid + 1
+    else:
+        hi = mid
+for k in range(n):
+    if self._urls[(lo + k) % n] in allowed:
+        return self._urls[(lo + k) % n]
+return None
+"""
+
+# lab 12: numpy's own percentile after the checks (the solution interpolates by hand)
+PERCENTILE = """\
+if len(values) == 0:
+    raise ValueError("values must hold at least one number")
+if q < 0 or q > 100:
+    raise ValueError(f"q must lie in [0, 100], got {q}")
+import numpy as np
+return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+"""
+
+# lab 12: the place found by walking the keys (O(n), no bisect)
+APPEND = """\
+key = (request.priority, request.arrival_time)
+pos = len(self._keys)
+for i, k in enumerate(self._keys):
+    if k > key:
+        pos = i
+        break
+self._keys[pos:pos] = [key]
+self._requests[pos:pos] = [request]
 """
 
 ALTERNATIVES = [
@@ -307,6 +344,15 @@ ALTERNATIVES = [
                 ("test_embedding_shards_sum_to_the_table", "test_embedding_shard_edges")),
     Alternative("11_parallelism", "pipeline_schedule", "filled_by_loops", SCHEDULE,
                 ("test_schedule_by_hand", "test_schedule_contract_every_size", "test_schedule_rejects_bad_sizes")),
+    Alternative("12_serving", "lookup", "hand_binary_search", LOOKUP,
+                ("test_lookup_wraps_around_the_ring", "test_lookup_matches_the_reference",
+                 "test_lookup_empty_ring_and_nobody_allowed", "test_lookup_binary_searches_the_ring",
+                 "test_a_dead_replica_moves_only_its_own_keys")),
+    Alternative("12_serving", "percentile", "numpy", PERCENTILE,
+                ("test_percentile_by_hand", "test_percentile_matches_numpy", "test_percentile_bad_input")),
+    Alternative("12_serving", "append", "walk_the_keys", APPEND,
+                ("test_append_orders_by_priority_then_arrival", "test_append_equal_keys_keep_insertion_order",
+                 "test_append_into_an_empty_queue_and_after_pops", "test_admission_order_in_the_scheduler")),
 ]
 
 
