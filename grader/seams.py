@@ -69,6 +69,8 @@ KV_SCALES = "engine_core.worker.kv_scales"
 LAB07 = "07_flash_decoding"
 FLASH_DECODING = "kernels.flash_decoding"
 SPLIT_POLICY = "kernels.split_policy"
+LAB13 = "13_weight_quantization"
+QUANT = "engine_core.models.quantization"
 
 SEAMS: tuple[Seam, ...] = (
     # engine call sites pass cdiv's two arguments positionally; the exercise names them
@@ -148,6 +150,23 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB08, KV_SCALES, "amax_per_head", "amax_per_head"),
     Seam(LAB08, f"{KV_SCALES}.KVAmax", "scales", "scales", _state(f"{KV_SCALES}.KVAmax", "key", "value")),
     Seam(LAB08, KERNELS_REFERENCE, "reshape_and_cache", "reshape_and_cache"),
+
+    # W8A8: the engine's Int8LinearMethod calls the learner's quantizers, int32 GEMM and epilogue
+    Seam(LAB13, f"{QUANT}.int8", "quantize_per_channel", "quantize_per_channel"),
+    Seam(LAB13, f"{QUANT}.int8", "quantize_per_token", "quantize_per_token"),
+    Seam(LAB13, f"{QUANT}.int8", "int8_mm", "int8_mm", helpers=(f"{QUANT}.int8.int8_mm_float64",)),
+    Seam(LAB13, f"{QUANT}.int8.Int8LinearMethod", "apply", "int8_linear_apply"),
+    # graded on its own: the engine quantizes fused modules per row, so no engine path expands scales yet
+    Seam(LAB13, f"{QUANT}.int8", "convert_to_channelwise", "convert_to_channelwise"),
+    Seam(LAB13, f"{QUANT}.smoothquant", "smoothquant_scales", "smoothquant_scales"),
+    # W4A16 in GPTQ's layout: RTNLinearMethod calls all four on its reference path
+    Seam(LAB13, f"{QUANT}.rtn", "quantize_groupwise", "quantize_groupwise"),
+    Seam(LAB13, f"{QUANT}.rtn", "dequantize_groupwise", "dequantize_groupwise"),
+    Seam(LAB13, f"{QUANT}.rtn", "pack_along_k", "pack_along_k"),
+    Seam(LAB13, f"{QUANT}.rtn", "unpack_along_k", "unpack_along_k"),
+    # checkpoint formats, graded on their own (no loader calls them yet)
+    Seam(LAB13, f"{QUANT}.gptq", "unpack_gptq_qzeros", "unpack_gptq_qzeros"),
+    Seam(LAB13, f"{QUANT}.gguf_q4_1", "dequantize_q4_1", "dequantize_q4_1"),
 )
 
 
