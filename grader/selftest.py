@@ -63,6 +63,7 @@ ENGINE_TESTS = {
                           "tests/kernels/test_flash_decoding.py", "tests/kernels/test_split_policy.py"),
     "08_fp8_kv_cache": ("tests/kernels/test_fp8.py",),
     "09_multi_lora": ("tests/lora/test_lora_slots.py", "tests/lora/test_lora_scheduler.py"),
+    "13_weight_quantization": ("tests/models/test_quantization.py", "-k", "not engine and not lora and not stats"),
 }
 
 

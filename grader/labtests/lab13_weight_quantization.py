@@ -545,19 +545,23 @@ def _rtn_layer(w, bits, group):
 @pytest.mark.task("int4_groupwise")
 def test_rtn_linear_on_your_functions(student):
     """The engine's RTN Linear (reference path, fp32) on your four functions: qweight is int32 [K / 8, N], and
-    y equals float64 x @ ((q - z) s).T with q, s, z from the engine's own quantizer (computed before the plug),
-    to fp32 GEMM rounding (1e-5 relative)."""
+    y equals float64 x @ ((q - z) s).T with q, s, z from the engine's own quantizer, to fp32 GEMM rounding
+    (1e-5 relative)."""
     gen = _gen(10)
     w, x = torch.randn(16, 64, generator=gen), torch.randn(3, 64, generator=gen)
-    ref = _rtn_layer(w, 4, 32)
-    want = x.double() @ ref.quant_method.dequantized_weight(ref).double().T
     with plug(student, LAB, only=INT4):
         layer = _rtn_layer(w, 4, 32)
         y = layer(x)
     expect_equal((str(layer.qweight.dtype), list(layer.qweight.shape)), ("torch.int32", [8, 16]),
                  "Linear(w [16, 64], RTNLinearMethod(4, 32)): qweight (dtype, shape)")
-    expect_close(y, want, "the RTN W4A16 Linear [16, 64], group 32, on x [3, 64]: y against float64 x @ W_deq.T",
-                 rtol=1e-5, atol=1e-5)
+    expect_close(y, _rtn_reference(w, x), "the RTN W4A16 Linear [16, 64], group 32, on x [3, 64]: y against "
+                 "float64 x @ W_deq.T", rtol=1e-5, atol=1e-5)
+
+
+def _rtn_reference(w, x):
+    """float64 x @ ((q - z) s).T with the engine's own q, s, z (called after the plug block)."""
+    ref = _rtn_layer(w, 4, 32)
+    return x.double() @ ref.quant_method.dequantized_weight(ref).double().T
 
 
 # ---- GPTQ's qzeros ---------------------------------------------------------------------------------
@@ -703,10 +707,9 @@ def test_engine_tiny_llama_w4a16(student):
     """tiny-llama (fp32, so the reference path: pack at load, unpack and dequantize every step) with
     quantization="rtn", 4 bits, group 32, on your four group-wise functions: the greedy tokens and the weight
     bytes equal the reference engine's."""
-    reference = _tiny_rtn_reference()
     with plug(student, LAB, only=INT4) as plugged:
         tokens, weight_bytes = _tiny_rtn()
     setup = "tiny-llama, quantization='rtn' {bits: 4, group_size: 32}, 3 prompts x 8 greedy tokens"
     expect_equal(plugged.uncalled(), [], f"{setup}: your functions the engine never called")
-    expect_equal(tokens, reference[0], f"{setup}: the tokens (the reference engine's)")
-    expect_equal(weight_bytes, reference[1], f"{setup}: stats()['weight_bytes']")
+    expect_equal(tokens, _tiny_rtn_reference()[0], f"{setup}: the tokens (the reference engine's)")
+    expect_equal(weight_bytes, _tiny_rtn_reference()[1], f"{setup}: stats()['weight_bytes']")
