@@ -234,7 +234,13 @@ def real_model_binds() -> dict[Path, str]:
     from engine_core.presets_real import REAL_PRESET_VERSION, REAL_PRESETS
 
     folders = [cache_root() / "presets" / f"{name}-v{REAL_PRESET_VERSION}" for name in REAL_PRESETS]
-    return {f: f"/tmp/.cache/inference-labs/presets/{f.name}" for f in folders if (f / "config.json").is_file()}
+    built = [f for f in folders if (f / "config.json").is_file()]
+    for folder in built:  # build_once's mkdtemp left it 0700: a run dropped to a fresh uid could not read it
+        if folder.stat().st_uid == os.getuid():
+            folder.chmod(0o755)
+            for path in folder.iterdir():
+                path.chmod(0o755 if path.is_dir() else 0o644)
+    return {f: f"/tmp/.cache/inference-labs/presets/{f.name}" for f in built}
 
 
 def _env(threads: int, pythonpath: str) -> dict[str, str]:

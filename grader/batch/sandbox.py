@@ -161,7 +161,10 @@ def command(argv: list[str], *, kit: Path, notebook: tuple[Path, str], outputs: 
         dirs_for(d + "/x")
         args.extend(["--ro-bind", d, d])
     for host, inside in (shared or {}).items():
-        dirs_for(inside + "/x")
+        for parent in _parents(inside + "/x"):  # writable by the run's uid, as /tmp: a cache writes beside it
+            if parent not in made:
+                made.add(parent)
+                args.extend(["--perms", "1777", "--dir", parent])
         args.extend(["--ro-bind", str(host), inside])
     dirs_for(KIT + "/x")
     args.extend(["--ro-bind", str(kit), KIT])

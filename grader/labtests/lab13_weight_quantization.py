@@ -413,7 +413,7 @@ def _greedy(engine, prompts, max_tokens=E2E_TOKENS):
 def _smollm2_fp32():
     """The reference engine in fp32 (outside any plug): greedy tokens of CHAT[:3], and layer 11's down_proj inputs
     (calibration: CHAT[3]'s prefill rows; evaluation: CHAT[:3]'s prefill and decode rows) with its weight."""
-    engine = make_engine(SMOLLM2, num_gpu_blocks=64)
+    engine = make_engine(SMOLLM2, num_gpu_blocks=64, swap_space=0)
     proj = engine.runner.model.layers[OUTLIER_LAYER].mlp.down_proj
     seen = []
     hook = proj.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
@@ -679,7 +679,7 @@ def test_engine_smollm2_w8a8(student):
     token 3 of one prompt costs 5 of 24). Wrong scales, floor for round or a wrapped int8 sum agree on few."""
     fp32_tokens = _smollm2_fp32()[0]
     with plug(student, LAB, only=["quantize_per_channel", "int8_linear_apply"]) as plugged:
-        tokens = _greedy(make_engine(SMOLLM2, num_gpu_blocks=64, quantization="int8"), CHAT[:3])
+        tokens = _greedy(make_engine(SMOLLM2, num_gpu_blocks=64, swap_space=0, quantization="int8"), CHAT[:3])
     setup = f"{SMOLLM2}, quantization='int8', 3 chat prompts x {E2E_TOKENS} greedy tokens"
     expect_equal(plugged.uncalled(), [], f"{setup}: your functions the engine never called")
     expect_equal(_agreement(tokens, fp32_tokens) >= 0.75, True, f"{setup}: agreement with fp32 "
@@ -690,7 +690,7 @@ TINY_PROMPTS = [[(5 * i + 3 * j) % 400 + 3 for j in range(n)] for i, n in enumer
 
 
 def _tiny_rtn():
-    engine = make_engine("tiny-llama", num_gpu_blocks=64, quantization="rtn",
+    engine = make_engine("tiny-llama", num_gpu_blocks=64, swap_space=0, quantization="rtn",
                          quantization_config={"bits": 4, "group_size": 32})
     return _greedy(engine, TINY_PROMPTS), engine.stats()["weight_bytes"]
 
