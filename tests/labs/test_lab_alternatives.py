@@ -196,8 +196,10 @@ qx, sx = quantize_per_token(x)
 acc = int8_mm(qx, layer.weight_q.t().contiguous())
 y = (acc.to(torch.float32) * (sx * layer.weight_scale[None, :])).to(x.dtype)
 if layer.bias is not None:
-    y = y + layer.bias
-return y if residual is None else y + residual
+    y += layer.bias
+if residual is not None:
+    y += residual
+return y
 """
 
 # lab 13: nibbles ORed in one at a time, words kept unsigned in int64 until the end
