@@ -22,6 +22,8 @@ grader/seams.py), so moving an engine file is a handful of lines.
 - `lab_settings`: the hypothesis settings of every property-based lab test.
 - `make_paged_batch`, `CountLaunches`, `shape_of`: the kernel labs' paged batches, launch counts and
   result shapes (labs 06, 07, 09).
+- `Linear`, `Int8LinearMethod`, `RTNLinearMethod`, `gguf_path`: a quantized projection built directly and
+  the real model's GGUF file (lab 13).
 - `CountTorchCalls`: the torch calls a function makes, so a test can tell a vectorised answer from a
   Python loop over rows or splits by counting, not timing (labs 07, 09).
 """
@@ -51,9 +53,12 @@ from engine_core.lora.presets import adapter_path
 from engine_core.lora.request import LoRARequest
 from engine_core.lora.slots import LoRASlotPool
 from engine_core.memory import GPUS, ModelSpec
+from engine_core.models.linear import Linear
 from engine_core.models.lora import LoRAMapping, LoRAStack
+from engine_core.models.quantization import Int8LinearMethod, RTNLinearMethod
 from engine_core.outputs import ModelRunnerOutput
 from engine_core.presets import preset_path
+from engine_core.presets_real import gguf_path
 from engine_core.request import Request, RequestStatus, SamplingParams
 from engine_core.worker.kv_cache import KVCache
 from engine_core.worker.kv_scales import KVAmax, save_kv_amax
@@ -69,7 +74,9 @@ __all__ = ["save_kv_amax", "GPUS", "LLM", "BlockHash", "BlockPool", "EngineConfi
            # property tests; the kernel labs (06, 07, 09)
            "lab_settings", "CountLaunches", "CountTorchCalls", "make_paged_batch", "shape_of",
            # serving (lab 12)
-           "HashRing", "LatencyMetrics", "PriorityRequestQueue", "ReplicaLoad", "make_router"]
+           "HashRing", "LatencyMetrics", "PriorityRequestQueue", "ReplicaLoad", "make_router",
+           # weight quantization (lab 13)
+           "Linear", "Int8LinearMethod", "RTNLinearMethod", "gguf_path"]
 
 # tiny-llama's shape: 2 layers x 2 KV heads x 16 dims, 512 bytes of fp32 KV per token
 TINY_SPEC = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,

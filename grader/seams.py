@@ -80,6 +80,8 @@ PRIORITY_QUEUE = "engine_core.core.request_queue.PriorityRequestQueue"
 REQUEST_METRICS = "engine_core.entrypoints.request_metrics"
 ROUTER_POLICIES = "engine_core.entrypoints.router.policies"
 HASH_RING = f"{ROUTER_POLICIES}.HashRing"
+LAB13 = "13_weight_quantization"
+QUANT = "engine_core.models.quantization"
 
 SEAMS: tuple[Seam, ...] = (
     # engine call sites pass cdiv's two arguments positionally; the exercise names them
@@ -191,6 +193,22 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB12, HASH_RING, "lookup", "lookup", _state(HASH_RING, "_hashes", "_urls")),
     Seam(LAB12, ROUTER_POLICIES, "load_bound", "load_bound"),
     Seam(LAB12, ROUTER_POLICIES, "prefix_aware", "prefix_aware"),
+    # W8A8: the engine's Int8LinearMethod calls the learner's quantizers, int32 GEMM and epilogue
+    Seam(LAB13, f"{QUANT}.int8", "quantize_per_channel", "quantize_per_channel"),
+    Seam(LAB13, f"{QUANT}.int8", "quantize_per_token", "quantize_per_token"),
+    Seam(LAB13, f"{QUANT}.int8", "int8_mm", "int8_mm", helpers=(f"{QUANT}.int8.int8_mm_float64",)),
+    Seam(LAB13, f"{QUANT}.int8.Int8LinearMethod", "apply", "int8_linear_apply"),
+    # graded on its own: the engine quantizes fused modules per row, so no engine path expands scales yet
+    Seam(LAB13, f"{QUANT}.int8", "convert_to_channelwise", "convert_to_channelwise"),
+    Seam(LAB13, f"{QUANT}.smoothquant", "smoothquant_scales", "smoothquant_scales"),
+    # W4A16 in GPTQ's layout: RTNLinearMethod calls all four on its reference path
+    Seam(LAB13, f"{QUANT}.rtn", "quantize_groupwise", "quantize_groupwise"),
+    Seam(LAB13, f"{QUANT}.rtn", "dequantize_groupwise", "dequantize_groupwise"),
+    Seam(LAB13, f"{QUANT}.rtn", "pack_along_k", "pack_along_k"),
+    Seam(LAB13, f"{QUANT}.rtn", "unpack_along_k", "unpack_along_k"),
+    # checkpoint formats, graded on their own (no loader calls them yet)
+    Seam(LAB13, f"{QUANT}.gptq", "unpack_gptq_qzeros", "unpack_gptq_qzeros"),
+    Seam(LAB13, f"{QUANT}.gguf_q4_1", "dequantize_q4_1", "dequantize_q4_1"),
 )
 
 

@@ -71,6 +71,7 @@ ENGINE_TESTS = {
     # the queue and victim through the scheduler; the load generator's statistics; the router's choices
     "12_serving": ("tests/core/test_request_queue.py", "tests/benchmarks/test_bench_serve.py",
                    "tests/entrypoints/test_router_policies.py"),
+    "13_weight_quantization": ("tests/models/test_quantization.py", "-k", "not engine and not lora and not stats"),
 }
 
 

@@ -84,7 +84,7 @@ def _linear(ckpt: CheckpointReader, names: list[str], bias: bool, rows: list[sli
     rows = rows or [slice(None)] * len(names)
     weight = torch.cat([ckpt.get(f"{n}.weight")[r] for n, r in zip(names, rows)])
     return Linear(_param(weight), _param(torch.cat([ckpt.get(f"{n}.bias")[r] for n, r in zip(names, rows)]))
-                  if bias else None, get_linear_method(quant))
+                  if bias else None, get_linear_method(quant, names[0], weight.shape[1]))
 
 
 def _sharded_linear(ckpt: CheckpointReader, prefix: str, projections: list[str], bias: bool,

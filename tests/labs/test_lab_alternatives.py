@@ -305,6 +305,29 @@ self._keys[pos:pos] = [key]
 self._requests[pos:pos] = [request]
 """
 
+# lab 13: the two scales multiplied first, the bias and residual added by hand
+W8A8_APPLY = """\
+qx, sx = quantize_per_token(x)
+acc = int8_mm(qx, layer.weight_q.t().contiguous())
+y = (acc.to(torch.float32) * (sx * layer.weight_scale[None, :])).to(x.dtype)
+if layer.bias is not None:
+    y += layer.bias
+if residual is not None:
+    y += residual
+return y
+"""
+
+# lab 13: nibbles ORed in one at a time, words kept unsigned in int64 until the end
+PACK = """\
+per = 32 // bits
+n, k = q.shape
+grouped = q.t().reshape(k // per, per, n).to(torch.int64)
+words = torch.zeros(k // per, n, dtype=torch.int64, device=q.device)
+for i in range(per):
+    words |= grouped[:, i] << (i * bits)
+return (words - (words >> 31) * 2**32).to(torch.int32)
+"""
+
 ALTERNATIVES = [
     Alternative("03_preemption", "choose_preemption_mode", "room_by_hand", CHOOSE_MODE,
                 ("test_forced_modes_and_fallbacks", "test_swap_room_counts_written_blocks_only",
@@ -355,6 +378,12 @@ ALTERNATIVES = [
     Alternative("12_serving", "append", "walk_the_keys", APPEND,
                 ("test_append_orders_by_priority_then_arrival", "test_append_equal_keys_keep_insertion_order",
                  "test_append_into_an_empty_queue_and_after_pops", "test_admission_order_in_the_scheduler")),
+    Alternative("13_weight_quantization", "int8_linear_apply", "scales_first", W8A8_APPLY,
+                ("test_w8a8_linear_scale_algebra", "test_w8a8_linear_bias_residual_bf16_empty",
+                 "test_w8a8_no_python_loop_over_rows", "test_engine_smollm2_w8a8")),
+    Alternative("13_weight_quantization", "pack_along_k", "or_nibbles", PACK,
+                ("test_pack_layout_by_hand", "test_pack_round_trip_is_bit_exact",
+                 "test_rtn_linear_on_your_functions")),
 ]
 
 
