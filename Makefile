@@ -19,7 +19,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-kernels bench-lora bench-lora-gpu fp8-accuracy quant-accuracy gpu-check labs grade clean
+.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-kernels bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy gpu-check labs grade clean
 
 venv: $(STAMP)
 
@@ -126,6 +126,10 @@ bench-lora: venv
 	$(PY) -m benchmarks.lora --model small-llama --num-requests 32 --input-len 8:64 --output-len 8:32 --threads 1 \
 		--repeats 2
 
+# gloo all-reduce latency and bandwidth on loopback (2 processes), fitted to lab 01's alpha-beta model (~10 s)
+bench-allreduce: venv
+	$(PY) -m benchmarks.allreduce --world-size 2
+
 bench-lora-gpu: venv
 	$(PY) -m benchmarks.lora --device cuda --model qwen3-0.6b-shape --num-requests 256 \
 		--input-len 64:512 --output-len 64:256
@@ -140,7 +144,7 @@ fp8-accuracy: venv
 # smollm2-135m-instruct, 8 windows of 512 tokens of docs/data/eval_text.txt (about 5 min on 2 shared CPU cores).
 quant-accuracy: venv
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.perplexity --model smollm2-135m-instruct --max-tokens 4096 \
-		--quantization int8,rtn-g32,rtn-g64,rtn8-g32 $(QUANT_ARGS)
+		--quantization int8,int8-sq,rtn-g32,rtn-g64,rtn8-g32 $(QUANT_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -42,8 +42,9 @@ from typing import Any
 import torch
 
 from benchmarks.workload import teacher_forced_hidden
-from engine_core.calibrate import calibrate_kv_amax
+from engine_core.calibrate import calibrate, calibrate_kv_amax
 from engine_core.engine import LLMEngine
+from engine_core.models.quantization.smoothquant import save_linear_amax
 from engine_core.request import SamplingParams
 from engine_core.worker.kv_scales import DynamicScales, amax_per_head, save_kv_amax
 
@@ -54,7 +55,7 @@ MODES = ("dynamic", "dynamic per-head", "calibrated", "calibrated per-head", "dy
 FIRST_BATCH = [{"role": "user", "content": "What is the capital of France?"}]
 BLOCK_SIZE = 16
 WINDOWS_PER_FORWARD = 4
-QUANT_SCHEMES = ("int8", "rtn-g32", "rtn-g64", "rtn-g128", "rtn8-g32", "rtn8-g128")
+QUANT_SCHEMES = ("int8", "int8-sq", "rtn-g32", "rtn-g64", "rtn-g128", "rtn8-g32", "rtn8-g128")
 
 
 @dataclass
@@ -122,20 +123,24 @@ def score(engine: LLMEngine, wins: list[list[int]]) -> tuple[torch.Tensor, torch
     return torch.cat(nll), torch.cat(top1)
 
 
-def quantization_kwargs(scheme: str) -> dict[str, Any]:
-    """`int8` / `rtn-g32` / `rtn8-g128` -> the engine's quantization arguments."""
+def quantization_kwargs(scheme: str, linear_amax: Path | None = None) -> dict[str, Any]:
+    """`int8` / `int8-sq` (SmoothQuant alpha 0.5, maxima from `linear_amax`) / `rtn-g32` / `rtn8-g128` -> the
+    engine's quantization arguments."""
     if scheme == "int8":
         return dict(quantization="int8")
+    if scheme == "int8-sq":
+        return dict(quantization="int8", quantization_config={"smoothquant": str(linear_amax), "alpha": 0.5})
     kind, group = scheme.split("-g")
     return dict(quantization="rtn", quantization_config={"bits": 8 if kind == "rtn8" else 4, "group_size": int(group)})
 
 
 def build_engine(model: str, context: int, dtype: str, kv_cache_dtype: str = "auto", mode: str = "",
-                 scales_file: Path | None = None, device: str = "auto", quant: str | None = None) -> LLMEngine:
+                 scales_file: Path | None = None, device: str = "auto", quant: str | None = None,
+                 linear_amax: Path | None = None) -> LLMEngine:
     """An engine whose cache holds one forward's windows; fp8 modes get their scales, and dynamic ones
     see the chat prompt FIRST_BATCH before the text; `quant`: one of QUANT_SCHEMES."""
     blocks = WINDOWS_PER_FORWARD * -(-context // BLOCK_SIZE)
-    kw: dict[str, Any] = quantization_kwargs(quant) if quant else {}
+    kw: dict[str, Any] = quantization_kwargs(quant, linear_amax) if quant else {}
     if kv_cache_dtype != "auto":
         if mode.startswith("dynamic"):
             kw.update(calculate_kv_scales=True, kv_scales_per_head=mode == "dynamic per-head")
@@ -180,11 +185,16 @@ def evaluate(model: str, text: str, context: int, max_tokens: int, formats: list
     del reference
     rows = [fp32]
     if quant:
-        for scheme in quant:
-            t = time.perf_counter()
-            engine = build_engine(model, context, "float32", device=device, quant=scheme)
-            r, _ = row(f"{scheme} ({engine.stats()['weight_bytes'] / 2**20:.0f} MiB of weights)", engine, t)
-            rows.append(r)
+        with tempfile.TemporaryDirectory() as tmp:
+            linear_amax = Path(tmp) / "linear_amax.json"
+            if "int8-sq" in quant:  # SmoothQuant's maxima from the calibration prompts, not from the scored text
+                save_linear_amax(linear_amax, calibrate(model, device=device, dtype="float32", swap_space=0,
+                                                        kv_cache_memory_bytes=64 << 20)[1], model)
+            for scheme in quant:
+                t = time.perf_counter()
+                engine = build_engine(model, context, "float32", device=device, quant=scheme, linear_amax=linear_amax)
+                r, _ = row(f"{scheme} ({engine.stats()['weight_bytes'] / 2**20:.0f} MiB of weights)", engine, t)
+                rows.append(r)
         return rows, sum(len(w) - 1 for w in wins)
     if bf16:
         t = time.perf_counter()

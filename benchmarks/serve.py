@@ -12,6 +12,9 @@ a chunk may carry several tokens when the server merges them), TPOT ((E2E - TTFT
 tokens - 1)) and E2E. Reported: mean, P50, P90, P99 of each (numpy's linear percentiles, as vLLM),
 throughput, and goodput: requests per second that met every SLO given to `--goodput`.
 
+`--prefix-groups G --prefix-len L`: every prompt starts with one of G shared L-token prefixes (the
+multi-tenant workload a prefix-aware router is for); the suffix takes `--input-len`.
+
 `--sweep 1,2,4,8` runs the same workload at each offered rate in turn (instead of
 `--request-rate`) and prints one row per rate; `--plot FILE.png` draws achieved throughput against
 P50/P99 TTFT and TPOT with the SLO lines (benchmarks/serve_plot.py).
@@ -28,8 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from engine_core.entrypoints import request_metrics as metrics  # module attributes: lab 12 plugs them
+from engine_core.entrypoints.request_metrics import SLO_METRICS, LatencyMetrics
+
 PERCENTILES = (50, 90, 99)
-SLO_METRICS = ("ttft", "tpot", "e2el")  # vLLM's --goodput keys; values in milliseconds
 
 
 @dataclass
@@ -98,16 +103,15 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: 
 
 def meets(result: RequestResult, slos: dict[str, float]) -> bool:
     """A request counts for goodput only if it succeeded and met every SLO."""
-    values = {"ttft": result.ttft, "tpot": result.tpot, "e2el": result.e2e}
-    return result.success and all(values[k] is None or values[k] <= v for k, v in slos.items())
+    return result.success and metrics.meets_slos(LatencyMetrics(result.ttft, result.itl, result.tpot, result.e2e), slos)
 
 
 def distribution(values: list[float]) -> dict[str, float]:
     """mean and P50/P90/P99 in milliseconds (zeros when empty)."""
     if not values:
         return {"mean_ms": 0.0, **{f"p{p}_ms": 0.0 for p in PERCENTILES}}
-    ms = np.asarray(values, dtype=np.float64) * 1000.0
-    return {"mean_ms": float(ms.mean()), **{f"p{p}_ms": float(np.percentile(ms, p)) for p in PERCENTILES}}
+    ms = [v * 1000.0 for v in values]
+    return {"mean_ms": float(np.mean(ms)), **{f"p{p}_ms": metrics.percentile(ms, p) for p in PERCENTILES}}
 
 
 def summarize(results: list[RequestResult], duration_s: float, slos: dict[str, float] | None = None) -> dict[str, Any]:
@@ -135,7 +139,8 @@ async def send(client: Any, base_url: str, model: str, prompt: list[int], output
     result = RequestResult(prompt_len=len(prompt))
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    start = last = time.perf_counter()
+    start = time.perf_counter()
+    chunk_times: list[float] = []
     try:
         async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -150,17 +155,17 @@ async def send(client: Any, base_url: str, model: str, prompt: list[int], output
                     return result
                 now = time.perf_counter()
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    if result.ttft == 0.0:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
+                    chunk_times.append(now)
                 if chunk.get("usage"):
                     result.output_len = chunk["usage"]["completion_tokens"]
-        result.e2e = time.perf_counter() - start
-        result.success = result.output_len > 0
+        end = time.perf_counter()
+        result.e2e = end - start
+        result.success = result.output_len > 0 and bool(chunk_times)
         if not result.success:
-            result.error = "no usage chunk (the server did not report completion tokens)"
+            result.error = "no usage chunk or no text (the server did not report completion tokens)"
+        else:
+            m = metrics.request_metrics(start, chunk_times, end, result.output_len)
+            result.ttft, result.itl = m.ttft, m.itl
     except Exception as e:  # a refused connection, a reset: counted as failed, the run goes on
         result.error = f"{type(e).__name__}: {e}"
     return result
@@ -193,6 +198,18 @@ def synthetic_workload(n: int, input_len: tuple[int, int], output_len: tuple[int
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(*input_len))] for _ in range(n)]
     return prompts, [rng.randint(*output_len) for _ in range(n)]
+
+
+def prefix_workload(n: int, num_groups: int, prefix_len: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                    vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts that share their leading blocks, as tenants' system prompts do: `num_groups` random
+    prefixes of `prefix_len` token ids; each prompt is one of them (uniformly) and a suffix of its own."""
+    if num_groups < 1 or prefix_len < 1:
+        raise ValueError(f"--prefix-groups and --prefix-len must be >= 1, got {num_groups} and {prefix_len}")
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, vocab) for _ in range(prefix_len)] for _ in range(num_groups)]
+    suffixes, output_lens = synthetic_workload(n, input_len, output_len, vocab, seed + 1)
+    return [prefixes[rng.randrange(num_groups)] + suffix for suffix in suffixes], output_lens
 
 
 async def sweep(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int], rates: list[float],
@@ -243,6 +260,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="SLOs: ttft, tpot, e2el in ms")
+    parser.add_argument("--prefix-groups", type=int, default=0,
+                        help="G > 0: every prompt starts with one of G shared prefixes (a multi-tenant workload)")
+    parser.add_argument("--prefix-len", type=int, default=64, help="tokens of each shared prefix")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-file", default=None, help="write the summary and every request as JSON")
     parser.add_argument("--sweep", default=None, metavar="RATES", help="offered rates to run in turn: 1,2,4,inf")
@@ -257,8 +277,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--request-rate and --burstiness must be > 0")
     if args.plot and rates is None:
         parser.error("--plot needs --sweep")
-    prompts, output_lens = synthetic_workload(args.num_prompts, parse_range(args.input_len),
-                                              parse_range(args.output_len), args.vocab_size, args.seed)
+    if args.prefix_groups:
+        try:
+            prompts, output_lens = prefix_workload(args.num_prompts, args.prefix_groups, args.prefix_len,
+                                                   parse_range(args.input_len), parse_range(args.output_len),
+                                                   args.vocab_size, args.seed)
+        except ValueError as e:
+            parser.error(str(e))
+    else:
+        prompts, output_lens = synthetic_workload(args.num_prompts, parse_range(args.input_len),
+                                                  parse_range(args.output_len), args.vocab_size, args.seed)
     if rates is not None:
         summaries = asyncio.run(sweep(args.base_url.rstrip("/"), args.model, prompts, output_lens, rates, slos,
                                       args.max_concurrency, args.burstiness, args.seed))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -83,6 +84,10 @@ class QuantizationConfig:
     method: str
     bits: int
     group_size: int | None  # None: per output channel
+    # int8 only: a file of calibrated per-input-channel activation maxima (`python -m engine_core.calibrate
+    # --linear-out`) turns on SmoothQuant's migration with strength `alpha`
+    smoothquant: str | None = None
+    alpha: float = 0.5
 
     @classmethod
     def of(cls, quantization: Any, quantization_config: Any) -> "QuantizationConfig | None":
@@ -95,13 +100,13 @@ class QuantizationConfig:
         options = {} if quantization_config is None else quantization_config
         _need(isinstance(options, dict), "quantization_config", "None or a dict like {'bits': 4, 'group_size': 128}",
               options)
-        known = ("bits", "group_size") if method == "rtn" else ()
+        known = ("bits", "group_size") if method == "rtn" else ("smoothquant", "alpha")
         unknown = sorted(str(k) for k in options if k not in known)
         if unknown:
             raise ValueError(f"quantization_config has unknown key(s) {unknown} for quantization={method!r}; "
                              f"allowed: {list(known)}")
         if method == "int8":
-            return cls(method, 8, None)
+            return cls._int8(options)
         bits = options.get("bits", 4)
         _need(bits in _RTN_BITS and check_int("quantization_config['bits']", bits) == bits,
               "quantization_config['bits']", f"one of {_RTN_BITS}", bits)
@@ -109,6 +114,18 @@ class QuantizationConfig:
         _need(group_size in _RTN_GROUP_SIZES and check_int("quantization_config['group_size']", group_size) > 0,
               "quantization_config['group_size']", f"one of {_RTN_GROUP_SIZES}", group_size)
         return cls(method, bits, group_size)
+
+    @classmethod
+    def _int8(cls, options: dict) -> "QuantizationConfig":
+        path = options.get("smoothquant")
+        if path is None:
+            _need("alpha" not in options, "quantization_config['alpha']", "set only with 'smoothquant' (a file of "
+                  "calibrated activation maxima)", options.get("alpha"))
+            return cls("int8", 8, None)
+        _need(isinstance(path, (str, os.PathLike)) and Path(path).is_file(), "quantization_config['smoothquant']",
+              "an existing file of activation maxima (python -m engine_core.calibrate --linear-out FILE)", path)
+        alpha = check_real("quantization_config['alpha']", options.get("alpha", 0.5), 0.0, 1.0)
+        return cls("int8", 8, None, str(path), alpha)
 
 
 @dataclass

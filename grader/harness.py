@@ -11,7 +11,9 @@ grader/seams.py), so moving an engine file is a handful of lines.
   different prefixes, a lost swap copy or a block overwritten while in use changes the tokens
   (or trips the "KV of position p missing" assertion). `reference_output` runs the same chain
   without any cache: what any correct schedule must produce. It has a GPU pool and a CPU pool
-  and performs `swap_out` / `swap_in` copies.
+  and performs `swap_out` / `swap_in` copies. With draft tokens (speculative decoding) it writes their
+  KV in the lookahead slots and verifies them greedily (`verify_greedy`); `fake_continuation` gives
+  the fake model's true next tokens, what a perfect draft proposes (lab 10).
 - `make_scheduler`, `make_request`, `step`, `run_to_completion`, `held_blocks`.
 - `build_pool`, `build_manager`: a pool or a manager in a given state, written directly (no
   seam runs), so a unit test's set-up never depends on the learner's other functions and works
@@ -20,6 +22,8 @@ grader/seams.py), so moving an engine file is a handful of lines.
 - `lab_settings`: the hypothesis settings of every property-based lab test.
 - `make_paged_batch`, `CountLaunches`, `shape_of`: the kernel labs' paged batches, launch counts and
   result shapes (labs 06, 07, 09).
+- `Linear`, `Int8LinearMethod`, `RTNLinearMethod`, `gguf_path`: a quantized projection built directly and
+  the real model's GGUF file (lab 13).
 - `CountTorchCalls`: the torch calls a function makes, so a test can tell a vectorised answer from a
   Python loop over rows or splits by counting, not timing (labs 07, 09, 14), and by name (lab 14's host syncs).
 """
@@ -38,17 +42,23 @@ from engine_core.config import EngineConfig, KVCacheConfig, ResolvedConfig
 from engine_core.core.block_pool import BlockHash, BlockPool, KVCacheBlock
 from engine_core.core.cost_model import PreemptionCostModel
 from engine_core.core.kv_cache_manager import KVCacheManager
+from engine_core.core.request_queue import PriorityRequestQueue
 from engine_core.core.scheduler import Scheduler
 from engine_core.core.scheduler_output import BlockTables, ScheduledChunk, SchedulerOutput
 from engine_core.engine import LLMEngine
 from engine_core.entrypoints.llm import LLM
+from engine_core.entrypoints.request_metrics import LatencyMetrics
+from engine_core.entrypoints.router.policies import HashRing, ReplicaLoad
 from engine_core.lora.presets import adapter_path
 from engine_core.lora.request import LoRARequest
 from engine_core.lora.slots import LoRASlotPool
 from engine_core.memory import GPUS, ModelSpec
+from engine_core.models.linear import Linear
 from engine_core.models.lora import LoRAMapping, LoRAStack
+from engine_core.models.quantization import Int8LinearMethod, RTNLinearMethod
 from engine_core.outputs import ModelRunnerOutput
 from engine_core.presets import preset_path
+from engine_core.presets_real import gguf_path
 from engine_core.request import Request, RequestStatus, SamplingParams
 from engine_core.worker.kv_cache import KVCache
 from engine_core.worker.kv_scales import KVAmax, save_kv_amax
@@ -59,11 +69,17 @@ from engine_core.worker.sampler import Sampler  # lab 14
 __all__ = ["save_kv_amax", "GPUS", "LLM", "BlockHash", "BlockPool", "EngineConfig", "EngineRun", "FakeRunner", "KVAmax", "KVCache",
            "KVCacheBlock", "KVCacheManager", "LLMEngine", "build_manager", "build_pool", "check_invariants", "ModelSpec", "Request", "RequestStatus", "SamplingParams",
            "ScheduledChunk", "Scheduler", "SchedulerOutput", "TINY_SPEC", "held_blocks", "make_engine",
+           # speculative decoding (lab 10)
+           "fake_continuation", "verify_greedy",
            "make_request", "make_scheduler", "memory", "reference_output", "run_engine", "run_to_completion", "step",
            # multi-LoRA (lab 09)
            "LoRAMapping", "LoRARequest", "LoRASlotPool", "LoRAStack", "adapter_path", "preset_path",
            # property tests; the kernel labs (06, 07, 09)
            "lab_settings", "CountLaunches", "CountTorchCalls", "make_paged_batch", "shape_of",
+           # serving (lab 12)
+           "HashRing", "LatencyMetrics", "PriorityRequestQueue", "ReplicaLoad", "make_router",
+           # weight quantization (lab 13)
+           "Linear", "Int8LinearMethod", "RTNLinearMethod", "gguf_path",
            # the hot loop's pieces (lab 14)
            "AttentionMetadata", "AttentionPlan", "LayerKV", "InputBatch", "Sampler"]
 
@@ -95,11 +111,36 @@ def reference_output(prompt: Sequence[int], max_tokens: int, eos: int | None = N
         kv = mix(kv, out[-1])
 
 
+def verify_greedy(drafts: Sequence[int], greedy: Sequence[int]) -> list[int]:
+    """Greedy verification by hand: the drafts while each equals the model's token at its place
+    (`greedy[j]` follows draft j - 1), then the model's own token (a correction, or the bonus token)."""
+    emitted = []
+    for d, g in zip(drafts, greedy):
+        emitted.append(g)
+        if d != g:
+            return emitted
+    return emitted + [greedy[len(drafts)]]
+
+
+def fake_continuation(token_ids: Sequence[int], n: int) -> list[int]:
+    """The fake model's next `n` greedy tokens after `token_ids` (what a perfect draft proposes)."""
+    kv = -1
+    for t in token_ids:
+        kv = mix(kv, t)
+    out = []
+    for _ in range(n):
+        out.append(kv % VOCAB)
+        kv = mix(kv, out[-1])
+    return out
+
+
 Slot = tuple[int, int] | None  # (position, KV value) written there, or nothing yet
 
 
 class FakeRunner:
-    """Executes a SchedulerOutput against a fake paged KV cache: swap copies first, then the chunks."""
+    """Executes a SchedulerOutput against a fake paged KV cache: swap copies first, then the chunks. A
+    chunk with draft tokens (speculative decoding) writes their KV in its lookahead slots too and emits
+    what greedy verification of them against the fake model gives (`verify_greedy`)."""
 
     def __init__(self, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         self.bs = block_size
@@ -121,14 +162,18 @@ class FakeRunner:
         sampled = {}
         for chunk in out.scheduled:
             rid, table = chunk.request.request_id, self.tables.update(chunk)
-            end = chunk.start + chunk.num_tokens
+            drafts = out.scheduled_spec_decode_tokens.get(rid, [])
+            end = chunk.start + chunk.num_tokens + len(drafts)
             assert len(table) * self.bs >= end, f"request {rid}: block table {table} is too short for {end} tokens"
             kv = -1 if chunk.start == 0 else self.read(table, chunk.start - 1, rid)
-            for pos, tok in enumerate(chunk.token_ids, start=chunk.start):
+            greedy = []  # the model's next token after the chunk's last token and after each draft
+            for pos, tok in enumerate(chunk.token_ids + list(drafts), start=chunk.start):
                 kv = mix(kv, tok)
                 self.gpu[table[pos // self.bs]][pos % self.bs] = (pos, kv)
+                if pos >= chunk.start + chunk.num_tokens - 1:
+                    greedy.append(kv % VOCAB)
             if chunk.emits:
-                sampled[rid] = [kv % VOCAB]
+                sampled[rid] = verify_greedy(drafts, greedy)
         return ModelRunnerOutput(sampled)
 
     def read(self, table: list[int], pos: int, rid: str) -> int:
@@ -240,6 +285,15 @@ def assert_no_leaked_blocks(sched: Scheduler, what: str) -> None:
 
 
 # ---- the real engine ---------------------------------------------------------------------------
+
+def make_router(urls: Sequence[str], policy: str = "prefix_aware", balance_factor: float = 1.25) -> Any:
+    """The real router's state (engine_core.entrypoints.router.app.Router; its FastAPI app is not
+    started): `choose(body)` picks a replica; set `replicas[i].in_flight` to model requests in flight.
+    Imported here, not at the top, so labs without a router do not load FastAPI."""
+    from engine_core.entrypoints.router.app import Router
+
+    return Router(list(urls), policy=policy, balance_factor=balance_factor)
+
 
 def make_engine(model: str = "tiny-llama", **engine_args: Any) -> LLMEngine:
     """An engine on CPU unless `device` is given."""

@@ -69,6 +69,19 @@ KV_SCALES = "engine_core.worker.kv_scales"
 LAB07 = "07_flash_decoding"
 FLASH_DECODING = "kernels.flash_decoding"
 SPLIT_POLICY = "kernels.split_policy"
+LAB10 = "10_speculative_decoding"
+REJECTION_SAMPLER = "engine_core.worker.rejection_sampler"
+NGRAM_PROPOSER = "engine_core.spec_decode.ngram_proposer"
+LAB11 = "11_parallelism"
+PARALLEL_LINEAR = "engine_core.models.parallel_linear"
+ROW_PARALLEL, VOCAB_PARALLEL = f"{PARALLEL_LINEAR}.RowParallelLinear", f"{PARALLEL_LINEAR}.VocabParallelEmbedding"
+LAB12 = "12_serving"
+PRIORITY_QUEUE = "engine_core.core.request_queue.PriorityRequestQueue"
+REQUEST_METRICS = "engine_core.entrypoints.request_metrics"
+ROUTER_POLICIES = "engine_core.entrypoints.router.policies"
+HASH_RING = f"{ROUTER_POLICIES}.HashRing"
+LAB13 = "13_weight_quantization"
+QUANT = "engine_core.models.quantization"
 LAB14 = "14_find_the_bottleneck"
 ATTENTION_PLAN = "engine_core.models.attention.AttentionPlan"
 SAMPLER = "engine_core.worker.sampler.Sampler"
@@ -153,6 +166,53 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB08, f"{KV_SCALES}.KVAmax", "scales", "scales", _state(f"{KV_SCALES}.KVAmax", "key", "value")),
     Seam(LAB08, KERNELS_REFERENCE, "reshape_and_cache", "reshape_and_cache"),
 
+    # the verifiers (the engine's RejectionSampler calls greedy_verify and rejection_sample on every speculating
+    # request) and the proposer; residual_probs is graded on its own: only a draft distribution q reaches it,
+    # and the engine's n-gram drafts are one-hot (verified against the row's own sample)
+    Seam(LAB10, REJECTION_SAMPLER, "greedy_verify", "greedy_verify",
+         helpers=(f"{REJECTION_SAMPLER}._valid", f"{REJECTION_SAMPLER}._emit")),
+    Seam(LAB10, REJECTION_SAMPLER, "residual_probs", "residual_probs"),
+    Seam(LAB10, REJECTION_SAMPLER, "rejection_sample", "rejection_sample"),
+    Seam(LAB10, f"{NGRAM_PROPOSER}.NgramProposer", "propose", "propose",
+         _state(f"{NGRAM_PROPOSER}.NgramProposer", "min_n", "max_n", "k"),
+         helpers=(f"{NGRAM_PROPOSER}._first_occurrence",)),
+    Seam(LAB10, SCHEDULER, "_schedule_drafts", "_schedule_drafts",
+         _state(SCHEDULER, "max_num_batched_tokens", "max_model_len", "proposer", "kv_cache_manager", "_sent_tables")
+         + _state(KV_CACHE_MANAGER, "req_to_blocks")),
+    Seam(LAB10, SCHEDULER, "_commit_verified_tokens", "_commit_verified_tokens",
+         _state(SCHEDULER, "max_model_len", "kv_cache_manager")),
+    # lab 11: the engine calls these in its worker processes (grader/worker_plug.py plugs them there too)
+    Seam(LAB11, PARALLEL_LINEAR, "layer_shards", "layer_shards"),
+    Seam(LAB11, ROW_PARALLEL, "forward", "row_parallel_forward", _state(ROW_PARALLEL, "tp")),
+    Seam(LAB11, VOCAB_PARALLEL, "forward", "embedding_forward", _state(VOCAB_PARALLEL, "weight", "tp", "start", "end")),
+    Seam(LAB11, "engine_core.distributed.parallel_state", "get_pp_indices", "get_pp_indices"),
+    # priority scheduling: the waiting queue's order (admission) and the preemption victim
+    Seam(LAB12, PRIORITY_QUEUE, "append", "append", _state(PRIORITY_QUEUE, "_keys", "_requests")),
+    Seam(LAB12, SCHEDULER, "_select_victim", "_select_victim", _state(SCHEDULER, "running")),
+    # the load generator's per-request metrics, percentiles and goodput
+    Seam(LAB12, REQUEST_METRICS, "request_metrics", "request_metrics"),
+    Seam(LAB12, REQUEST_METRICS, "percentile", "percentile"),
+    Seam(LAB12, REQUEST_METRICS, "meets_slos", "meets_slos"),
+    # the router's consistent hashing with bounded loads
+    Seam(LAB12, HASH_RING, "lookup", "lookup", _state(HASH_RING, "_hashes", "_urls")),
+    Seam(LAB12, ROUTER_POLICIES, "load_bound", "load_bound"),
+    Seam(LAB12, ROUTER_POLICIES, "prefix_aware", "prefix_aware"),
+    # W8A8: the engine's Int8LinearMethod calls the learner's quantizers, int32 GEMM and epilogue
+    Seam(LAB13, f"{QUANT}.int8", "quantize_per_channel", "quantize_per_channel"),
+    Seam(LAB13, f"{QUANT}.int8", "quantize_per_token", "quantize_per_token"),
+    Seam(LAB13, f"{QUANT}.int8", "int8_mm", "int8_mm", helpers=(f"{QUANT}.int8.int8_mm_float64",)),
+    Seam(LAB13, f"{QUANT}.int8.Int8LinearMethod", "apply", "int8_linear_apply"),
+    # graded on its own: the engine quantizes fused modules per row, so no engine path expands scales yet
+    Seam(LAB13, f"{QUANT}.int8", "convert_to_channelwise", "convert_to_channelwise"),
+    Seam(LAB13, f"{QUANT}.smoothquant", "smoothquant_scales", "smoothquant_scales"),
+    # W4A16 in GPTQ's layout: RTNLinearMethod calls all four on its reference path
+    Seam(LAB13, f"{QUANT}.rtn", "quantize_groupwise", "quantize_groupwise"),
+    Seam(LAB13, f"{QUANT}.rtn", "dequantize_groupwise", "dequantize_groupwise"),
+    Seam(LAB13, f"{QUANT}.rtn", "pack_along_k", "pack_along_k"),
+    Seam(LAB13, f"{QUANT}.rtn", "unpack_along_k", "unpack_along_k"),
+    # checkpoint formats, graded on their own (no loader calls them yet)
+    Seam(LAB13, f"{QUANT}.gptq", "unpack_gptq_qzeros", "unpack_gptq_qzeros"),
+    Seam(LAB13, f"{QUANT}.gguf_q4_1", "dequantize_q4_1", "dequantize_q4_1"),
     # lab 14: the hot loop's pieces, each with a slow variant in grader/slow_engine (the learner's fix)
     Seam(LAB14, ATTENTION_PLAN, "write_kv", "write_kv", _state(ATTENTION_PLAN, "ops", "meta")),
     Seam(LAB14, ATTENTION_PLAN, "attend", "attend",

@@ -63,6 +63,15 @@ ENGINE_TESTS = {
                           "tests/kernels/test_flash_decoding.py", "tests/kernels/test_split_policy.py"),
     "08_fp8_kv_cache": ("tests/kernels/test_fp8.py",),
     "09_multi_lora": ("tests/lora/test_lora_slots.py", "tests/lora/test_lora_scheduler.py"),
+    # the sampler's distribution tests, the proposer's cases, the scheduler's lookahead and rollback (no model)
+    "10_speculative_decoding": ("tests/worker/test_rejection_sampler.py", "tests/spec_decode/test_ngram_proposer.py",
+                                "tests/engine/test_spec_decode.py::test_rejected_drafts_roll_back_and_their_slots_are_reused",
+                                "tests/engine/test_spec_decode.py::test_drafts_fall_back_to_a_plain_decode_without_budget_or_blocks"),
+    "11_parallelism": ("tests/distributed/test_parallel_units.py",),
+    # the queue and victim through the scheduler; the load generator's statistics; the router's choices
+    "12_serving": ("tests/core/test_request_queue.py", "tests/benchmarks/test_bench_serve.py",
+                   "tests/entrypoints/test_router_policies.py"),
+    "13_weight_quantization": ("tests/models/test_quantization.py", "-k", "not engine and not lora and not stats"),
     # the sampler (not its engine-run test: 7 s of whole runs), the block tables and the scheduler; the KV
     # write and attention run in the lab's own tests
     "14_find_the_bottleneck": ("tests/worker/test_sampler.py", "tests/worker/test_input_batch.py",

@@ -120,6 +120,7 @@ class Scheduler:
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return out
 
+    # seam: lab 10 (grader/seams.py)
     def _schedule_drafts(self, out: SchedulerOutput) -> None:
         """Draft tokens for the step's one-token decodes, in batch order, from what is left of the token
         budget and the free blocks (no preemption for a draft). Drafts are capped so that every token the
@@ -290,7 +291,7 @@ class Scheduler:
         recompute frees its blocks, resets num_computed_tokens to 0 and puts it at the front
         of the waiting queue (under "priority", at its place by key); swap plans its KV copy
         to CPU (out.swap_out) and queues it swapped."""
-        victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        victim = self._select_victim()
         self.running.remove(victim)
         victim.num_preemptions += 1
         out.preempted_request_ids.append(victim.request_id)
@@ -310,6 +311,12 @@ class Scheduler:
             victim.status = RequestStatus.PREEMPTED
             self.waiting.appendleft(victim)
         return victim
+
+    # seam: lab 12 (grader/seams.py)
+    def _select_victim(self) -> Request:
+        """The running request to preempt: the lowest priority (largest `priority` value), the
+        latest arrival among equal priorities (it has waited least and holds the least progress)."""
+        return max(self.running, key=lambda r: (r.priority, r.arrival_time))
 
     # seam: lab 03 (grader/seams.py)
     def choose_preemption_mode(self, request: Request) -> str:
@@ -368,18 +375,9 @@ class Scheduler:
             # one inter-token gap per step and request, as vLLM records it (a step's verified drafts arrive
             # together); before the appends: it reads the previous token's time
             self.counters.observe_token(request, now)
-            status = None
-            num_appended = 0
-            for token in tokens:
-                request.append_token(token, now)
-                num_appended += 1
-                status = request.check_stop(self.max_model_len)
-                if status is not None:
-                    break
-            # every appended token but the last was a verified draft whose KV this step wrote
-            request.num_computed_tokens = chunk.start + chunk.num_tokens + num_appended - 1
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-            self.counters.num_generated_tokens += num_appended - 1  # observe_token counted the first
+            num_before = request.num_output_tokens
+            status = self._commit_verified_tokens(request, chunk, tokens, now)
+            self.counters.num_generated_tokens += request.num_output_tokens - num_before - 1  # observe_token: the first
             got_token.append(request)
             if status is not None:
                 finished.append(request)
@@ -394,6 +392,27 @@ class Scheduler:
         step that finishes many of many running requests stays linear."""
         done = {r.request_id for r in finished}
         self.running = [r for r in self.running if r.request_id not in done]
+
+    # seam: lab 10 (grader/seams.py)
+    def _commit_verified_tokens(self, request: Request, chunk: ScheduledChunk, tokens: list[int],
+                                now: float) -> RequestStatus | None:
+        """Append the step's emitted `tokens` (the accepted drafts, then the target's own token) one by one
+        until a stop condition (EOS, a stop token, max_tokens, max_model_len); returns that stop status or
+        None. Then the rollback: num_computed_tokens covers the chunk and the accepted drafts appended
+        (every appended token but the last, whose KV this step wrote and verified), not the rejected
+        lookahead slots, which the next step writes again; and only the blocks full of verified tokens
+        enter the prefix cache."""
+        status = None
+        num_appended = 0
+        for token in tokens:
+            request.append_token(token, now)
+            num_appended += 1
+            status = request.check_stop(self.max_model_len)
+            if status is not None:
+                break
+        request.num_computed_tokens = chunk.start + chunk.num_tokens + num_appended - 1
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        return status
 
     def _fail(self, request_id: str, why: str) -> Request:
         """Finish a request whose step failed, before its chunk is applied (the loop then skips it)."""

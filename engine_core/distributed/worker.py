@@ -1,5 +1,6 @@
-"""One worker process of a parallel engine: joins the process group, loads its shard of the model into a
-`ModelRunner`, then serves the engine's calls until told to stop or the engine goes away.
+"""One worker process of a parallel engine: runs the general plugins (ENGINE_CORE_PLUGINS,
+engine_core/plugins.py), joins the process group, loads its shard of the model into a `ModelRunner`,
+then serves the engine's calls until told to stop or the engine goes away.
 
 A call arrives on the worker's pipe as one pickled `(method, args, reply)`: a `ModelRunner` method name
 or a function of the runner (`collective_rpc`), and whether every rank replies with its result
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from engine_core.config import ResolvedConfig
 from engine_core.distributed.parallel_state import ParallelContext, init_groups
 from engine_core.models.config import ModelConfig
+from engine_core.plugins import load_general_plugins
 from engine_core.worker.model_runner import ModelRunner
 
 
@@ -55,6 +57,7 @@ def worker_main(spec: WorkerSpec, config: ResolvedConfig, model_config: ModelCon
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent(parent_pid)
     try:
+        load_general_plugins()
         runner, ctx = init_worker(spec, config, model_config)
     except BaseException:
         conn.send(("error", traceback.format_exc(), None))

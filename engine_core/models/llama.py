@@ -33,8 +33,8 @@ from engine_core.models.linear import Linear
 from engine_core.models.loader import CheckpointReader
 from engine_core.models.lora import LoRAMapping
 from engine_core.models.quantization import check_model_shapes, get_linear_method
-from engine_core.models.parallel_linear import (ParallelLMHead, RowParallelLinear, TPShard, VocabParallelEmbedding,
-                                                head_rows)
+from engine_core.models.parallel_linear import (COLUMN, ROW, ParallelLMHead, RowParallelLinear, TPShard,
+                                                VocabParallelEmbedding)
 
 
 def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
@@ -84,16 +84,34 @@ def _linear(ckpt: CheckpointReader, names: list[str], bias: bool, rows: list[sli
     rows = rows or [slice(None)] * len(names)
     weight = torch.cat([ckpt.get(f"{n}.weight")[r] for n, r in zip(names, rows)])
     return Linear(_param(weight), _param(torch.cat([ckpt.get(f"{n}.bias")[r] for n, r in zip(names, rows)]))
-                  if bias else None, get_linear_method(quant))
+                  if bias else None, get_linear_method(quant, names[0], weight.shape[1]))
 
 
-def _row_linear(ckpt: CheckpointReader, name: str, bias: bool, tp: TPShard | None, cols: slice,
-                quant: QuantizationConfig | None = None) -> Linear:
-    """The output projection `name`: whole, or (tp) the input columns `cols` with an all-reduce."""
+def _sharded_linear(ckpt: CheckpointReader, prefix: str, projections: list[str], bias: bool,
+                    shards: dict[str, tuple[int, slice]] | None, tp: TPShard | None,
+                    quant: QuantizationConfig | None = None) -> Linear:
+    """`prefix`'s `projections` as one Linear: whole, or (tp) as this rank's `shards` say: column-parallel
+    (their rows, stacked; no communication) or one row-parallel projection (its input columns, then an
+    all-reduce)."""
+    names = [f"{prefix}.{p}" for p in projections]
     if tp is None:
-        return _linear(ckpt, [name], bias, quant=quant)
-    weight = _param(ckpt.get(f"{name}.weight")[:, cols].contiguous())
-    return RowParallelLinear(weight, _param(ckpt.get(f"{name}.bias")) if bias else None, tp.group)
+        return _linear(ckpt, names, bias, quant=quant)
+    dims = {shards[p][0] for p in projections}
+    if dims == {COLUMN}:
+        return _linear(ckpt, names, bias, [shards[p][1] for p in projections], quant)
+    if dims == {ROW} and len(names) == 1:
+        weight = _param(ckpt.get(f"{names[0]}.weight")[:, shards[projections[0]][1]].contiguous())
+        return RowParallelLinear(weight, _param(ckpt.get(f"{names[0]}.bias")) if bias else None, tp.group)
+    raise ValueError(f"layer_shards: the fused projections {projections} must all be column-parallel, and a "
+                     f"row-parallel projection stands alone; got {[shards[p] for p in projections]}")
+
+
+def _num_heads(shard: tuple[int, slice] | None, head_dim: int, whole: int) -> int:
+    """Heads in a rank's slice of q or k rows (`whole` without TP)."""
+    if shard is None:
+        return whole
+    rows = shard[1]
+    return (rows.stop - rows.start) // head_dim
 
 
 class Attention(nn.Module):
@@ -102,13 +120,12 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx  # of its stage's KV cache
         d = args.head_dim
-        q, kv = tp.heads(args.num_heads, args.num_kv_heads) if tp else (slice(0, args.num_heads),
-                                                                         slice(0, args.num_kv_heads))
-        self.num_heads, self.num_kv_heads, self.head_dim = q.stop - q.start, kv.stop - kv.start, d
+        shards = tp.layer(args.num_heads, args.num_kv_heads, d, args.intermediate_size) if tp else None
+        self.num_heads = _num_heads(shards and shards["q_proj"], d, args.num_heads)
+        self.num_kv_heads, self.head_dim = _num_heads(shards and shards["k_proj"], d, args.num_kv_heads), d
         self.scale = args.head_dim ** -0.5
-        self.qkv_proj = _linear(ckpt, [f"{prefix}.{p}_proj" for p in "qkv"], args.qkv_bias,
-                                [head_rows(q, d), head_rows(kv, d), head_rows(kv, d)] if tp else None, quant)
-        self.o_proj = _row_linear(ckpt, f"{prefix}.o_proj", args.o_bias, tp, head_rows(q, d), quant)
+        self.qkv_proj = _sharded_linear(ckpt, prefix, ["q_proj", "k_proj", "v_proj"], args.qkv_bias, shards, tp, quant)
+        self.o_proj = _sharded_linear(ckpt, prefix, ["o_proj"], args.o_bias, shards, tp, quant)
         self.q_norm = RMSNorm(ckpt.get(f"{prefix}.q_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(ckpt.get(f"{prefix}.k_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
 
@@ -162,10 +179,9 @@ class MLP(nn.Module):
     def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, prefix: str, tp: TPShard | None = None,
                  quant: QuantizationConfig | None = None) -> None:
         super().__init__()
-        cols = tp.even(args.intermediate_size) if tp else slice(None)
-        self.gate_up_proj = _linear(ckpt, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], args.mlp_bias,
-                                    [cols, cols] if tp else None, quant)
-        self.down_proj = _row_linear(ckpt, f"{prefix}.down_proj", args.mlp_bias, tp, cols, quant)
+        shards = tp.layer(args.num_heads, args.num_kv_heads, args.head_dim, args.intermediate_size) if tp else None
+        self.gate_up_proj = _sharded_linear(ckpt, prefix, ["gate_proj", "up_proj"], args.mlp_bias, shards, tp, quant)
+        self.down_proj = _sharded_linear(ckpt, prefix, ["down_proj"], args.mlp_bias, shards, tp, quant)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor,
                 silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None,

@@ -131,6 +131,10 @@ class CheckpointReader:
         self.dtype = dtype
         self.device = device
         self.files = _tensor_files(self.folder)
+        # one open handle per file: safetensors' tensors stay backed by the handle's mapping of the whole file, so
+        # a handle per tensor kept one mapping of it per tensor alive (34 GB of address space for SmolLM2's 513 MB,
+        # past any RLIMIT_AS, the batch grader's sandbox included)
+        self._handles: dict[Path, Any] = {}
 
     def has(self, name: str) -> bool:
         return name in self.files
@@ -140,10 +144,12 @@ class CheckpointReader:
             where = sorted({p.name for p in self.files.values()}) or ["(no tensors)"]
             raise ValueError(f"checkpoint {str(self.folder)!r} ({', '.join(where)}) is missing tensor {name!r}")
         path = self.files[name]
-        with open_safetensors(path) as f:
-            if name not in f.keys():
-                raise ValueError(f"file {str(path)!r} is missing tensor {name!r} named in its index")
-            stored = f.get_tensor(name)
+        if path not in self._handles:
+            self._handles[path] = open_safetensors(path)
+        f = self._handles[path]
+        if name not in f.keys():
+            raise ValueError(f"file {str(path)!r} is missing tensor {name!r} named in its index")
+        stored = f.get_tensor(name)
         check_finite(stored, name, path, "")
         tensor = stored.to(device=self.device, dtype=self.dtype)
         if stored.is_floating_point() and torch.finfo(self.dtype).max < torch.finfo(stored.dtype).max:

@@ -18,6 +18,7 @@ class NgramProposer:
         self.max_n = prompt_lookup_max
         self.k = num_speculative_tokens
 
+    # seam: lab 10 (grader/seams.py)
     def propose(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
         """Up to min(k, max_tokens) draft tokens to follow `token_ids` ([] when no suffix matches).
 

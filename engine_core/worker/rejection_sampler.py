@@ -27,6 +27,7 @@ from engine_core.worker.sampler import INVALID_TOKEN, Sampler, apply_top_k_top_p
 PLACEHOLDER = -1  # pads an output row past its emitted tokens
 
 
+# seam: lab 10 (grader/seams.py)
 def greedy_verify(target_argmax: torch.Tensor, draft_token_ids: torch.Tensor, num_draft: torch.Tensor) -> torch.Tensor:
     """`[B, K+1]` argmax of each row, `[B, K]` drafts (padded), `[B]` draft counts -> `[B, K+1]` emitted
     tokens: the accepted drafts, then the target's token, PLACEHOLDER after."""
@@ -35,6 +36,7 @@ def greedy_verify(target_argmax: torch.Tensor, draft_token_ids: torch.Tensor, nu
     return _emit(draft_token_ids, num_accepted, target_argmax.gather(1, num_accepted[:, None])[:, 0])
 
 
+# seam: lab 10 (grader/seams.py)
 def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, num_draft: torch.Tensor,
                      uniforms: torch.Tensor | None, noise: torch.Tensor,
                      draft_probs: torch.Tensor | None = None) -> torch.Tensor:
@@ -54,14 +56,19 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, 
     p = target_probs[rows, num_accepted]  # [B, V]: the row that emits the last token
     rejected = num_accepted < num_draft
     if K:
-        at = num_accepted.clamp(max=K - 1)
-        residual = (p - draft_probs[rows, at]).clamp(min=0)
-        mass = residual.sum(dim=1, keepdim=True)
-        # a rejection implies p(d) < q(d), so the residual has mass; guard rounding anyway
-        residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(p.dtype).tiny), p)
+        residual = residual_probs(p, draft_probs[rows, num_accepted.clamp(max=K - 1)])
         p = torch.where(rejected[:, None], residual, p)
     final = (p / noise[rows, num_accepted]).argmax(dim=1)  # the exponential race: a sample of p
     return _emit(draft_token_ids, num_accepted, final)
+
+
+# seam: lab 10 (grader/seams.py)
+def residual_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalize(max(p - q, 0)) row by row (`[..., V]`): what a rejected position samples from. Where the
+    residual has no mass (p <= q everywhere, which a rejection rules out up to rounding), p itself."""
+    residual = (p - q).clamp(min=0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(p.dtype).tiny), p)
 
 
 def _valid(draft_token_ids: torch.Tensor, num_draft: torch.Tensor) -> torch.Tensor:

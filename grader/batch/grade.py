@@ -226,6 +226,23 @@ def _parse_progress(text: str) -> tuple[bool, list[str]]:
     return loaded, started
 
 
+def real_model_binds() -> dict[Path, str]:
+    """The real presets the instructor's cache holds already converted, bound read-only where the sandbox's
+    cache looks for them (HOME is /tmp there): their fp32 conversion (513 MB for SmolLM2-135M) fits no
+    sandbox tmpfs or file-size limit, so a child could not build them itself."""
+    from engine_core.cache import cache_root
+    from engine_core.presets_real import REAL_PRESET_VERSION, REAL_PRESETS
+
+    folders = [cache_root() / "presets" / f"{name}-v{REAL_PRESET_VERSION}" for name in REAL_PRESETS]
+    built = [f for f in folders if (f / "config.json").is_file()]
+    for folder in built:  # build_once's mkdtemp left it 0700: a run dropped to a fresh uid could not read it
+        if folder.stat().st_uid == os.getuid():
+            folder.chmod(0o755)
+            for path in folder.iterdir():
+                path.chmod(0o755 if path.is_dir() else 0o644)
+    return {f: f"/tmp/.cache/inference-labs/presets/{f.name}" for f in built}
+
+
 def _env(threads: int, pythonpath: str) -> dict[str, str]:
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONPATH": pythonpath,
             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONNOUSERSITE": "1", "HF_HUB_OFFLINE": "1",
@@ -288,7 +305,7 @@ def run_child(setup: Setup, notebook: Path, scratch: Path, tests: list[str], dea
         command = sandbox.limited(_sandbox_limits(limits)) + sandbox.command(
             sandbox.drop_to(uid) + inside if uid is not None else inside, kit=setup.kit,
             notebook=(notebook, f"{lab}.ipynb"), outputs={files[n]: names[n] for n in names},
-            env=_env(limits.threads, sandbox.KIT), limits=_sandbox_limits(limits))
+            env=_env(limits.threads, sandbox.KIT), limits=_sandbox_limits(limits), shared=real_model_binds())
         cwd, env = None, None  # bwrap sets the sandbox's environment itself
     timed_out, loaded, started = "", False, []
     with open(output_path, "wb") as output:

@@ -9,7 +9,7 @@ What a sandboxed process gets (see docs/instructors.md for the threat model):
   no_new_privs), so the process-count limit counts its processes alone and it can touch nothing
   of another run's; unprivileged, bwrap's user namespace (the uid is mapped to the instructor's);
 - a filesystem of read-only system directories and Python environment, the read-only grading
-  kit, its notebook (read-only), three result files bound one by one (nothing else is writable
+  kit, the real model's converted preset when the instructor's cache holds it (read-only), its notebook (read-only), three result files bound one by one (nothing else is writable
   outside size-limited tmpfs: `/tmp`, `/dev/shm`, the working folder), and a fresh `/proc`.
   Nothing of the instructor's checkout, `solutions/`, the submissions or other runs is mounted;
 - limits inherited from the parent: address space (counts shared-memory mappings, unlike
@@ -127,11 +127,12 @@ def _parents(path: str) -> list[str]:
 
 
 def command(argv: list[str], *, kit: Path, notebook: tuple[Path, str], outputs: dict[Path, str],
-            env: dict[str, str], limits: Limits) -> list[str]:
+            env: dict[str, str], limits: Limits, shared: dict[Path, str] | None = None) -> list[str]:
     """The bwrap command line running `argv` in a sandbox (see the module docstring).
 
     `notebook`: (host file, name under WORK), read-only; `outputs`: host file -> name under OUT,
-    each bound writable on its own (the run can write those files and nothing else on disk)."""
+    each bound writable on its own (the run can write those files and nothing else on disk);
+    `shared`: host folder -> absolute path inside, read-only (the real model's converted preset)."""
     args = [bwrap_path() or "bwrap", *_namespaces()]
     made: set[str] = set()
 
@@ -159,6 +160,12 @@ def command(argv: list[str], *, kit: Path, notebook: tuple[Path, str], outputs: 
     for d in python_dirs():
         dirs_for(d + "/x")
         args.extend(["--ro-bind", d, d])
+    for host, inside in (shared or {}).items():
+        for parent in _parents(inside + "/x"):  # writable by the run's uid, as /tmp: a cache writes beside it
+            if parent not in made:
+                made.add(parent)
+                args.extend(["--perms", "1777", "--dir", parent])
+        args.extend(["--ro-bind", str(host), inside])
     dirs_for(KIT + "/x")
     args.extend(["--ro-bind", str(kit), KIT])
     args.extend(["--size", str(limits.tmp_bytes), "--perms", "1777", "--tmpfs", WORK])

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from benchmarks.serve import (
-    RequestResult, arrival_offsets, format_sweep, meets, parse_goodput, parse_range, parse_rates, summarize)
+    RequestResult, arrival_offsets, format_sweep, meets, parse_goodput, parse_range, parse_rates, prefix_workload,
+    summarize)
 from benchmarks.serve_plot import plot_sweep
 
 pytestmark = pytest.mark.timeout(30)
@@ -93,3 +94,13 @@ def test_the_sweep_plot_draws_p50_and_p99_against_achieved_throughput_with_the_s
     assert {line.get_label() for line in tpot.lines} == {"TPOT P50", "TPOT P99"}  # no TPOT SLO given
     table = format_sweep(summaries).splitlines()
     assert len(table) == 3 and table[2].split()[:3] == ["4", "1.50", "4.5"]
+
+
+def test_prefix_workload_shares_leading_blocks():
+    prompts, lens = prefix_workload(40, 3, 16, (4, 8), (2, 5), vocab=256, seed=7)
+    heads = {tuple(p[:16]) for p in prompts}
+    assert len(heads) == 3 and len(lens) == 40 and all(2 <= n <= 5 for n in lens)
+    assert all(20 <= len(p) <= 24 and all(3 <= t < 256 for t in p) for p in prompts)
+    assert prefix_workload(40, 3, 16, (4, 8), (2, 5), 256, 7) == (prompts, lens)
+    with pytest.raises(ValueError, match="--prefix-groups"):
+        prefix_workload(4, 0, 16, (4, 8), (2, 5), 256, 7)

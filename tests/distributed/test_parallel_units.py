@@ -1,6 +1,7 @@
 """The parallel engine's rules without starting a process: vLLM's pipeline layer split, which heads and
-rows a TP rank holds (KV heads replicated past num_kv_heads), the vocab shards' padding, and the
-machine-size refusal that comes before any worker is spawned."""
+rows a TP rank holds (KV heads replicated past num_kv_heads), the vocab shards' padding, the general
+plugins a worker runs (ENGINE_CORE_PLUGINS), and the machine-size refusal that comes before any worker
+is spawned."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,8 @@ import torch
 from engine_core import LLM
 from engine_core.distributed import multiproc_executor
 from engine_core.distributed.parallel_state import GroupCoordinator, get_pp_indices, output_rank
-from engine_core.models.parallel_linear import TPShard, VocabParallelEmbedding
+from engine_core.models.parallel_linear import COLUMN, ROW, TPShard, VocabParallelEmbedding, layer_shards
+from engine_core.plugins import PLUGINS_ENV, load_general_plugins
 from parallel_helpers import child_processes
 
 
@@ -35,11 +37,18 @@ def shard(rank: int, size: int) -> TPShard:
     (8, 8, 2, [((0, 4), (0, 4)), ((4, 8), (4, 8))]),
 ])
 def test_tp_heads_with_kv_replication(heads, kv_heads, tp, expected):
-    got = [shard(r, tp).heads(heads, kv_heads) for r in range(tp)]
-    assert [((q.start, q.stop), (kv.start, kv.stop)) for q, kv in got] == expected
-    for (q, kv) in got:  # every query head of a rank finds its KV head (GQA group) on that rank
-        group = heads // kv_heads
-        assert all(kv.start <= h // group < kv.stop for h in range(q.start, q.stop))
+    d, mlp = 4, 8 * tp  # head_dim, intermediate_size
+    got = [shard(r, tp).layer(heads, kv_heads, d, mlp) for r in range(tp)]
+    as_heads = [((s["q_proj"][1].start // d, s["q_proj"][1].stop // d), (s["k_proj"][1].start // d, s["k_proj"][1].stop // d))
+                for s in got]
+    assert as_heads == expected
+    group = heads // kv_heads
+    for r, s in enumerate(got):  # every query head of a rank finds its KV head (GQA group) on that rank
+        (q0, q1), (kv0, kv1) = as_heads[r]
+        assert all(kv0 <= h // group < kv1 for h in range(q0, q1))
+        assert s["v_proj"] == s["k_proj"] and s["o_proj"] == (ROW, s["q_proj"][1])
+        assert s["gate_proj"] == s["up_proj"] == (COLUMN, slice(8 * r, 8 * (r + 1))) and s["down_proj"] == (ROW, s["up_proj"][1])
+    assert got[0] == layer_shards(heads, kv_heads, d, mlp, 0, tp)
 
 
 def test_vocab_shards_are_padded_with_zero_rows():
@@ -58,3 +67,16 @@ def test_more_ranks_than_cores_is_refused_before_any_process(monkeypatch):
     with pytest.raises(ValueError, match="= 2 worker processes need at least one CPU core each; this machine has 1"):
         LLM("tiny-llama", tensor_parallel_size=2)
     assert {p.pid for p in child_processes()} == before
+
+
+def test_general_plugins_run_in_order_and_a_malformed_entry_is_named(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "_plugin_probe_a", lambda: calls.append("a"), raising=False)
+    monkeypatch.setattr(torch, "_plugin_probe_b", lambda: calls.append("b"), raising=False)
+    monkeypatch.setenv(PLUGINS_ENV, "torch:_plugin_probe_b, torch:_plugin_probe_a")
+    assert load_general_plugins() == ["torch:_plugin_probe_b", "torch:_plugin_probe_a"] and calls == ["b", "a"]
+    monkeypatch.setenv(PLUGINS_ENV, "torch._plugin_probe_a")
+    with pytest.raises(ValueError, match="'package.module:function', got 'torch._plugin_probe_a'"):
+        load_general_plugins()
+    monkeypatch.delenv(PLUGINS_ENV)
+    assert load_general_plugins() == []

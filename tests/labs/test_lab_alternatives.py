@@ -77,6 +77,44 @@ while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
     budget -= num_new
 """
 
+# lab 11: heads first, then rows; the KV head found from the rank's first query head's group
+SHARDS = """\
+q_heads = num_heads // tp_size
+first_q = tp_rank * q_heads
+if num_kv_heads >= tp_size:
+    kv_heads = range(tp_rank * num_kv_heads // tp_size, (tp_rank + 1) * num_kv_heads // tp_size)
+else:
+    kv_heads = range(first_q // (num_heads // num_kv_heads), first_q // (num_heads // num_kv_heads) + 1)
+rows = lambda first, n: slice(first * head_dim, (first + n) * head_dim)  # noqa: E731
+q, kv = rows(first_q, q_heads), rows(kv_heads[0], len(kv_heads))
+f = intermediate_size // tp_size
+mlp = slice(tp_rank * f, tp_rank * f + f)
+out = {name: (COLUMN, q if name == "q_proj" else kv) for name in ("q_proj", "k_proj", "v_proj")}
+out.update(o_proj=(ROW, q), gate_proj=(COLUMN, mlp), up_proj=(COLUMN, mlp), down_proj=(ROW, mlp))
+return out
+"""
+
+# lab 11: a lookup that multiplies by the mask instead of filling
+EMBED = """\
+local = input_ids - self.start
+mine = (local >= 0) & (local < self.end - self.start)
+rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+return self.tp.all_reduce(rows)
+"""
+
+# lab 11: the grid filled stage by stage, slot by slot
+SCHEDULE = """\
+if type(num_microbatches) is not int or num_microbatches < 1:
+    raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
+if type(num_stages) is not int or num_stages < 1:
+    raise ValueError(f"num_stages must be a positive int, got {num_stages!r}")
+grid = [[None] * (num_microbatches + num_stages - 1) for _ in range(num_stages)]
+for mb in range(num_microbatches):
+    for stage in range(num_stages):
+        grid[stage][mb + stage] = mb
+return grid
+"""
+
 # lab 07: softmax over the splits (an all-empty row gives NaN, set to 0) and one einsum
 MERGE = """\
 weights = torch.nan_to_num(torch.softmax(lse, dim=-1), nan=0.0)
@@ -190,6 +228,106 @@ for i in step:
 return loads
 """
 
+# lab 10: the acceptance as min(1, p/q) with a division, the accepted drafts written through a mask
+REJECTION = """\
+if draft_probs is None:
+    return greedy_verify(torch.argmax(target_probs / noise, dim=2), draft_token_ids, num_draft)
+B, K = draft_token_ids.shape
+d = draft_token_ids.clamp(min=0)
+p_d = torch.gather(target_probs[:, :K], 2, d.unsqueeze(-1)).squeeze(-1)
+q_d = torch.gather(draft_probs, 2, d.unsqueeze(-1)).squeeze(-1)
+ratio = torch.minimum(torch.ones_like(p_d), p_d / q_d.clamp(min=1e-30))
+ok = (uniforms < ratio) & (torch.arange(K)[None] < num_draft[:, None])
+n = torch.cumprod(ok.long(), 1).sum(1)
+idx = torch.arange(B)
+p_n = target_probs[idx, n]
+if K:
+    p_n = torch.where((n < num_draft)[:, None], residual_probs(p_n, draft_probs[idx, n.clamp(max=K - 1)]), p_n)
+out = torch.full((B, K + 1), PLACEHOLDER, dtype=torch.long)
+keep = torch.arange(K)[None] < n[:, None]
+out[:, :K][keep] = draft_token_ids[keep]
+out[idx, n] = torch.argmax(p_n / noise[idx, n], dim=1)
+return out
+"""
+
+# lab 10: the lookup sizes walked from max_n, windows compared as tuples
+PROPOSE = """\
+k = self.k if max_tokens is None else min(self.k, max_tokens)
+if k <= 0:
+    return []
+tokens = list(token_ids)
+for n in range(self.max_n, self.min_n - 1, -1):
+    if n >= len(tokens):
+        continue
+    suffix = tuple(tokens[-n:])
+    starts = [i for i in range(len(tokens) - n) if tuple(tokens[i:i + n]) == suffix]
+    if starts:
+        return tokens[starts[0] + n:starts[0] + n + k]
+return []
+"""
+
+# lab 12: the ring searched by a hand-written binary search (reads O(log n) hashes, no bisect)
+LOOKUP = """\
+n = len(self._hashes)
+h = _hash(key)
+lo, hi = 0, n
+while lo < hi:
+    mid = (lo + hi) // 2
+    if self._hashes[mid] <= h:
+        lo = mid + 1
+    else:
+        hi = mid
+for k in range(n):
+    if self._urls[(lo + k) % n] in allowed:
+        return self._urls[(lo + k) % n]
+return None
+"""
+
+# lab 12: numpy's own percentile after the checks (the solution interpolates by hand)
+PERCENTILE = """\
+if len(values) == 0:
+    raise ValueError("values must hold at least one number")
+if q < 0 or q > 100:
+    raise ValueError(f"q must lie in [0, 100], got {q}")
+import numpy as np
+return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+"""
+
+# lab 12: the place found by walking the keys (O(n), no bisect)
+APPEND = """\
+key = (request.priority, request.arrival_time)
+pos = len(self._keys)
+for i, k in enumerate(self._keys):
+    if k > key:
+        pos = i
+        break
+self._keys[pos:pos] = [key]
+self._requests[pos:pos] = [request]
+"""
+
+# lab 13: the two scales multiplied first, the bias and residual added by hand
+W8A8_APPLY = """\
+qx, sx = quantize_per_token(x)
+acc = int8_mm(qx, layer.weight_q.t().contiguous())
+y = (acc.to(torch.float32) * (sx * layer.weight_scale[None, :])).to(x.dtype)
+if layer.bias is not None:
+    y += layer.bias
+if residual is not None:
+    y += residual
+return y
+"""
+
+# lab 13: nibbles ORed in one at a time, words kept unsigned in int64 until the end
+PACK = """\
+per = 32 // bits
+n, k = q.shape
+grouped = q.t().reshape(k // per, per, n).to(torch.int64)
+words = torch.zeros(k // per, n, dtype=torch.int64, device=q.device)
+for i in range(per):
+    words |= grouped[:, i] << (i * bits)
+return (words - (words >> 31) * 2**32).to(torch.int32)
+"""
+
 # lab 14: the KV write in PyTorch (flat views of the caches, one indexed copy each) instead of the kernel op
 KV_WRITE = """\
 flat_k = kv.key_cache.view(-1, *key.shape[1:])
@@ -237,6 +375,34 @@ ALTERNATIVES = [
     Alternative("09_multi_lora", "assign", "victims_while_walking", ASSIGN,
                 ("test_assign_free_slots_then_lru", "test_assign_resident_adapters_cost_nothing",
                  "test_assign_no_room_changes_nothing", "test_assign_random_workloads")),
+    Alternative("10_speculative_decoding", "rejection_sample", "division_and_masks", REJECTION,
+                ("test_rejection_sample_no_python_loop_over_requests", "test_rejection_sample_keeps_the_target_distribution",
+                 "test_rejection_sample_disjoint_supports", "test_rejection_sample_one_hot_drafts",
+                 "test_rejection_sample_ragged_drafts")),
+    Alternative("10_speculative_decoding", "propose", "tuples_from_max_n", PROPOSE,
+                ("test_propose_crafted_streams", "test_propose_random_streams")),
+    Alternative("11_parallelism", "layer_shards", "heads_first", SHARDS,
+                ("test_layer_shards_by_hand", "test_sharded_layer_equals_unsharded_float64",
+                 "test_kv_heads_replicated_past_num_kv_heads", "test_engine_loads_the_shards")),
+    Alternative("11_parallelism", "embedding_forward", "multiply_by_the_mask", EMBED,
+                ("test_embedding_shards_sum_to_the_table", "test_embedding_shard_edges")),
+    Alternative("11_parallelism", "pipeline_schedule", "filled_by_loops", SCHEDULE,
+                ("test_schedule_by_hand", "test_schedule_contract_every_size", "test_schedule_rejects_bad_sizes")),
+    Alternative("12_serving", "lookup", "hand_binary_search", LOOKUP,
+                ("test_lookup_wraps_around_the_ring", "test_lookup_matches_the_reference",
+                 "test_lookup_empty_ring_and_nobody_allowed", "test_lookup_binary_searches_the_ring",
+                 "test_a_dead_replica_moves_only_its_own_keys")),
+    Alternative("12_serving", "percentile", "numpy", PERCENTILE,
+                ("test_percentile_by_hand", "test_percentile_matches_numpy", "test_percentile_bad_input")),
+    Alternative("12_serving", "append", "walk_the_keys", APPEND,
+                ("test_append_orders_by_priority_then_arrival", "test_append_equal_keys_keep_insertion_order",
+                 "test_append_into_an_empty_queue_and_after_pops", "test_admission_order_in_the_scheduler")),
+    Alternative("13_weight_quantization", "int8_linear_apply", "scales_first", W8A8_APPLY,
+                ("test_w8a8_linear_scale_algebra", "test_w8a8_linear_bias_residual_bf16_empty",
+                 "test_w8a8_no_python_loop_over_rows", "test_engine_smollm2_w8a8")),
+    Alternative("13_weight_quantization", "pack_along_k", "or_nibbles", PACK,
+                ("test_pack_layout_by_hand", "test_pack_round_trip_is_bit_exact",
+                 "test_rtn_linear_on_your_functions")),
     Alternative("14_find_the_bottleneck", "write_kv", "index_copy_in_torch", KV_WRITE,
                 ("test_write_kv_writes_every_slot", "test_write_kv_no_loop_over_tokens")),
     Alternative("14_find_the_bottleneck", "block_tables", "gathered_in_torch", TABLES,

@@ -266,7 +266,7 @@ class FakeQuantW8A8(LinearMethodBase):
 
 def test_engine_with_int8_matches_the_fake_quantized_model(monkeypatch) -> None:
     quantized = _tokens("tiny-llama", quantization="int8")
-    monkeypatch.setattr(llama, "get_linear_method", lambda quant: FakeQuantW8A8() if quant else None)
+    monkeypatch.setattr(llama, "get_linear_method", lambda quant, *where: FakeQuantW8A8() if quant else None)
     assert quantized == _tokens("tiny-llama", quantization="int8")
 
 

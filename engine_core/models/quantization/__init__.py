@@ -2,6 +2,7 @@
 
 - unquantized.py: the dense GEMM (oneDNN prepacked fp32 on CPU): every Linear without a scheme
 - int8.py: W8A8, `quantization="int8"`
+- smoothquant.py: W8A8 after SmoothQuant's migration, `quantization_config={"smoothquant": FILE}`
 - rtn.py: W4A16 (or W8A16) group-wise round-to-nearest, `quantization="rtn"`
 
 The LM head and the embedding stay dense.
@@ -13,13 +14,20 @@ from engine_core.models.config import LlamaArgs
 from engine_core.models.quantization.base import LinearMethodBase
 from engine_core.models.quantization.int8 import Int8LinearMethod
 from engine_core.models.quantization.rtn import RTNLinearMethod
+from engine_core.models.quantization.smoothquant import SmoothQuantInt8LinearMethod, linear_amax_of
 from engine_core.models.quantization.unquantized import UnquantizedLinearMethod
 
 
-def get_linear_method(quant: QuantizationConfig | None) -> LinearMethodBase:
-    """A fresh method for one projection (methods hold no per-layer state, but a layer may cache on itself)."""
+def get_linear_method(quant: QuantizationConfig | None, prefix: str | None = None,
+                      in_features: int | None = None) -> LinearMethodBase:
+    """A fresh method for one projection (methods hold no per-layer state, but a layer may cache on itself);
+    `prefix` (its first checkpoint name) and `in_features` find its calibrated maxima for SmoothQuant."""
     if quant is None:
         return UnquantizedLinearMethod()
+    if quant.method == "int8" and quant.smoothquant is not None:
+        if prefix is None or in_features is None:
+            raise ValueError("SmoothQuant needs each projection's checkpoint name and input size (a caller bug)")
+        return SmoothQuantInt8LinearMethod(linear_amax_of(quant.smoothquant, prefix, in_features), quant.alpha)
     if quant.method == "int8":
         return Int8LinearMethod()
     return RTNLinearMethod(quant.bits, quant.group_size)
@@ -39,4 +47,5 @@ def check_model_shapes(quant: QuantizationConfig | None, args: LlamaArgs) -> Non
 
 
 __all__ = ["LinearMethodBase", "UnquantizedLinearMethod", "Int8LinearMethod", "RTNLinearMethod",
+           "SmoothQuantInt8LinearMethod",
            "get_linear_method", "check_model_shapes"]

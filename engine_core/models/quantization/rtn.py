@@ -31,6 +31,7 @@ from engine_core.models.quantization.base import LinearMethodBase, add_bias_resi
 _INT4PACK_DTYPES = (torch.bfloat16, torch.float16)
 
 
+# seam: lab 13 (grader/seams.py)
 def pack_along_k(q: torch.Tensor, bits: int) -> torch.Tensor:
     """Unsigned values `[N, K]` (each < 2^bits) -> GPTQ's int32 `[K * bits / 32, N]`."""
     per = 32 // bits
@@ -40,6 +41,7 @@ def pack_along_k(q: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the same 32 bits, signed
 
 
+# seam: lab 13 (grader/seams.py)
 def unpack_along_k(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """GPTQ's int32 `[K * bits / 32, N]` -> the unsigned values `[N, K]` (int32), exactly."""
     per = 32 // bits
@@ -48,6 +50,7 @@ def unpack_along_k(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return values.reshape(-1, packed.shape[1]).t().contiguous()
 
 
+# seam: lab 13 (grader/seams.py)
 def quantize_groupwise(w: torch.Tensor, bits: int, group_size: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w `[N, K]` -> (q int32 `[N, K]`, scales fp32 `[K / g, N]`, zeros int32 `[K / g, N]`)."""
@@ -62,6 +65,7 @@ def quantize_groupwise(w: torch.Tensor, bits: int, group_size: int
     return q.reshape(n, k).to(torch.int32), scale.t().contiguous(), zero.t().to(torch.int32).contiguous()
 
 
+# seam: lab 13 (grader/seams.py)
 def dequantize_groupwise(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(q `[N, K]`, scales `[K / g, N]`, zeros `[K / g, N]`) -> (q - z) * s `[N, K]`, computed in fp32."""

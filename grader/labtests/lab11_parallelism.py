@@ -1,0 +1,526 @@
+"""Official tests of lab 11_parallelism: Megatron tensor parallelism and pipeline stages.
+
+The learner writes four engine pieces as plain functions (the seams in grader/seams.py): `layer_shards`
+(which rows or columns of each projection a TP rank loads), `RowParallelLinear.forward` (the partial
+sum and its all-reduce, the residual added once), `VocabParallelEmbedding.forward` (the masked lookup)
+and `get_pp_indices` (vLLM's layer split), plus `pipeline_schedule` / `bubble_fraction` (a contract-only
+task, called directly) and three predictions. Every test that runs a seam does it inside `plug(student,
+LAB)`. A TP group is simulated in one process by `SimulatedGroup`: the ranks run one after another, twice
+(the first pass records each all-reduce's input, the second hands every rank the sums, in place, as
+`dist.all_reduce` does), so the learner's code runs unchanged and the test sees every collective. The
+end-to-end test starts the real two-process engine (gloo, fp32) with the learner's functions plugged in
+its workers (grader/worker_plug.py). Expected values come from float64 algebra written here, from
+`engine_core.memory` (lab 01's models, called outside any plug; no lab 11 seam is in them), from hand
+arithmetic in the docstrings, or from the one-process engine run outside the plug.
+"""
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from engine_core import LLM, SamplingParams, memory
+from engine_core.distributed import parallel_state
+from engine_core.distributed.parallel_state import GroupCoordinator, ParallelContext
+from engine_core.models.config import ModelConfig
+from engine_core.models.llama import LlamaForCausalLM
+from engine_core.models.loader import CheckpointReader
+from engine_core.models import parallel_linear
+from engine_core.models.parallel_linear import COLUMN, PROJECTIONS, ROW, RowParallelLinear, VocabParallelEmbedding
+from engine_core.presets import preset_path
+from grader.observe import expect_close, expect_equal, expect_raises
+from grader.plug import plug
+from grader.worker_plug import plugged_workers, worker_calls
+
+LAB = "11_parallelism"
+
+# ---- task 1: the predictions (the setup cell's figures, repeated here) -----------------------------
+
+MODEL_175B = memory.ModelSpec(num_layers=96, hidden_size=12288, num_attention_heads=96, num_kv_heads=96,
+                              head_dim=128, intermediate_size=32768, vocab_size=50257)
+BATCH, CONTEXT = 8, 2048
+H100 = memory.GPUS["H100-80GB"]
+ETHERNET = dataclasses.replace(H100, nvlink_bytes_per_s=100e9 / 8, allreduce_latency_s=30e-6)
+INFINIBAND = dataclasses.replace(H100, nvlink_bytes_per_s=400e9 / 8, allreduce_latency_s=10e-6)
+
+
+def _step_ms(gpu, tp):
+    return 1e3 * memory.decode_step_lower_bound(MODEL_175B, "bf16", BATCH, CONTEXT, gpu, tp)
+
+
+def _send_ms():
+    """Stage 1's hidden states to stage 2 over 100 GbE: 30 us + 8 x 12288 x 2 B / 12.5 GB/s = 45.7 us."""
+    return 1e3 * (ETHERNET.allreduce_latency_s + BATCH * MODEL_175B.hidden_size * 2 / ETHERNET.nvlink_bytes_per_s)
+
+
+def _tpot(student):
+    got = student.predicted_tpot_ms()
+    keys = ["tp16_ethernet", "tp16_infiniband", "tp8_pp2", "tp8_replicas"]
+    expect_equal(sorted(got), sorted(keys), "predicted_tpot_ms(): its keys")
+    return got
+
+
+# Tolerance 1% on the TPOTs: the answer is the given model's arithmetic, so this admits only rounding of
+# intermediate figures, and rejects every slip worth catching: the all-reduce latency left out (-30% over
+# Ethernet, -17% over InfiniBand), 100 Gb as 100 GB (-45%), NVLink's bandwidth for the cross-node ring, the
+# pipeline's TPOT halved. The stage-to-stage send (0.3% of a TPOT) is below it: test_predicted_winners needs it.
+TPOT_RTOL = 0.01
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("predictions")
+def test_predicted_tpot_tp16(student):
+    """TP=16 over two nodes: 19.40 ms over 100 GbE (8.0 ms of HBM reads: 21.9 GB of weights and 4.8 GB of KV per
+    GPU; 192 all-reduces of 59.5 us = 11.4 ms), 11.31 ms over InfiniBand (192 x 17.4 us = 3.3 ms of all-reduces)."""
+    got = _tpot(student)
+    expect_close(got["tp16_ethernet"], _step_ms(ETHERNET, 16),
+                 "predicted_tpot_ms()['tp16_ethernet']: TP=16, ring over 100 GbE (12.5 GB/s, 30 us), batch 8, "
+                 "context 2048, ms", rtol=TPOT_RTOL)
+    expect_close(got["tp16_infiniband"], _step_ms(INFINIBAND, 16),
+                 "predicted_tpot_ms()['tp16_infiniband']: TP=16 over InfiniBand NDR (50 GB/s, 10 us), ms",
+                 rtol=TPOT_RTOL)
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("predictions")
+def test_predicted_tpot_tp8(student):
+    """TP=8 on NVLink: 17.06 ms (16.0 ms of HBM reads: 43.8 GB of weights and 9.7 GB of KV per GPU; 192
+    all-reduces of 5.8 us); the pipeline TP=8 x PP=2 the same plus one send of the hidden states: 17.11 ms."""
+    got = _tpot(student)
+    expect_close(got["tp8_replicas"], _step_ms(H100, 8), "predicted_tpot_ms()['tp8_replicas']: one TP=8 replica, ms",
+                 rtol=TPOT_RTOL)
+    expect_close(got["tp8_pp2"], _step_ms(H100, 8) + _send_ms(),
+                 "predicted_tpot_ms()['tp8_pp2']: TP=8 x PP=2, a token through both stages, ms", rtol=TPOT_RTOL)
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("predictions")
+def test_predicted_winners(student):
+    """Latency: TP=16 over InfiniBand (11.3 ms). Throughput: two replicas, 16 tokens per 17.06 ms (938 tokens/s),
+    just ahead of the pipeline's 16 per 17.11 ms (the send), far ahead of TP=16 (8 per 11.3 ms: 707)."""
+    expect_equal(tuple(student.predicted_winners()), ("tp16_infiniband", "tp8_replicas"),
+                 "predicted_winners(): (the lowest TPOT, the most tokens per second on the 16 GPUs)")
+
+
+# ---- a TP group in one process ---------------------------------------------------------------------
+
+class SimulatedGroup(GroupCoordinator):
+    """One rank of a TP group whose ranks run one after another in this process. `all_reduce` records its
+    input; given `answers` (the sums of a first pass), it also writes the k-th sum into its argument in
+    place and returns it, as `dist.all_reduce` does."""
+
+    def __init__(self, rank: int, size: int, answers: list[torch.Tensor] | None = None) -> None:
+        super().__init__(list(range(size)), rank)
+        self.inputs: list[torch.Tensor] = []
+        self.answers = answers
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.inputs.append(x.detach().clone())
+        if self.answers is not None:
+            k = len(self.inputs) - 1
+            if k < len(self.answers) and self.answers[k].shape == x.shape:
+                x.copy_(self.answers[k])
+        return x
+
+
+def simulate(run_rank, tp: int):
+    """run_rank(group) on every rank, twice: (the all-reduce sums, each rank's output of the second pass,
+    each rank's number of all-reduces). Ranks that disagree on the number or shapes of their all-reduces
+    make the sums list shorter (the outputs then differ from the expected ones)."""
+    first = [SimulatedGroup(r, tp) for r in range(tp)]
+    for g in first:
+        run_rank(g)
+    counts = [len(g.inputs) for g in first]
+    sums = []
+    for k in range(min(counts)):
+        parts = [g.inputs[k] for g in first]
+        if any(p.shape != parts[0].shape for p in parts):
+            break
+        sums.append(torch.stack(parts).sum(0))
+    second = [SimulatedGroup(r, tp, sums) for r in range(tp)]
+    return sums, [run_rank(g) for g in second], counts
+
+
+# ---- task 2: layer_shards ------------------------------------------------------------------------------
+
+def _as_tuples(shards):
+    """{projection: (dim, start, stop)}, or the learner's value unchanged when it is not of the contract's form."""
+    try:
+        return {p: (shards[p][0], shards[p][1].start, shards[p][1].stop) for p in PROJECTIONS}
+    except (KeyError, TypeError, AttributeError, IndexError):
+        return shards
+
+
+def _expected_shards(heads, kv_heads, d, mlp, rank, tp):
+    """Written from the rule, not the engine: q by heads, KV heads split or the rank's one replicated."""
+    q = (rank * heads // tp * d, (rank + 1) * heads // tp * d)
+    if tp <= kv_heads:
+        kv = (rank * kv_heads // tp * d, (rank + 1) * kv_heads // tp * d)
+    else:
+        head = (q[0] // d) // (heads // kv_heads)  # the KV head of the rank's first query head
+        kv = (head * d, (head + 1) * d)
+    f = (rank * mlp // tp, (rank + 1) * mlp // tp)
+    return {"q_proj": (COLUMN, *q), "k_proj": (COLUMN, *kv), "v_proj": (COLUMN, *kv), "o_proj": (ROW, *q),
+            "gate_proj": (COLUMN, *f), "up_proj": (COLUMN, *f), "down_proj": (ROW, *f)}
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("layer_shards")
+def test_layer_shards_by_hand(student):
+    """4 query heads and 2 KV heads of head_dim 2, MLP 8, TP=2: rank 0 holds q rows 0:4 (heads 0, 1), k/v
+    rows 0:2 (KV head 0), o_proj columns 0:4, gate/up rows 0:4, down columns 0:4; rank 1 the next blocks."""
+    with plug(student, LAB, only=["layer_shards"]):
+        got = [_as_tuples(parallel_linear.layer_shards(4, 2, 2, 8, r, 2)) for r in range(2)]
+    expect_equal(got, [_expected_shards(4, 2, 2, 8, r, 2) for r in range(2)],
+                 "layer_shards(4, 2, 2, 8, rank, 2) for rank 0 and 1, as {projection: (COLUMN=0 or ROW=1, start, stop)}")
+
+
+def _weights(hidden, heads, kv_heads, d, mlp, gen):
+    shapes = {"q_proj": (heads * d, hidden), "k_proj": (kv_heads * d, hidden), "v_proj": (kv_heads * d, hidden),
+              "o_proj": (hidden, heads * d), "gate_proj": (mlp, hidden), "up_proj": (mlp, hidden),
+              "down_proj": (hidden, mlp)}
+    return {p: torch.randn(*s, generator=gen, dtype=torch.float64) / s[1] ** 0.5 for p, s in shapes.items()}
+
+
+def _take(w, shard):
+    dim, part = shard
+    return w[part] if dim == COLUMN else w[:, part]
+
+
+def _attention(q, k, v, d):
+    """Causal attention of [tokens, heads * d] queries over [tokens, kv_heads * d] keys/values (GQA)."""
+    t = q.shape[0]
+    q, k, v = q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(t, -1)
+
+
+def _layer(w, x, d, shards=None, tp=1):
+    """One decoder layer (attention, then SwiGLU MLP, residuals; norms and RoPE left out: per-row and per-head,
+    they commute with the split) in float64; with `shards`, each rank on its slices and the partial sums added."""
+    if shards is None:
+        h = x + _attention(x @ w["q_proj"].T, x @ w["k_proj"].T, x @ w["v_proj"].T, d) @ w["o_proj"].T
+        return h + (torch.nn.functional.silu(h @ w["gate_proj"].T) * (h @ w["up_proj"].T)) @ w["down_proj"].T
+    h = x.clone()
+    for s in shards:
+        local = _attention(x @ _take(w["q_proj"], s["q_proj"]).T, x @ _take(w["k_proj"], s["k_proj"]).T,
+                           x @ _take(w["v_proj"], s["v_proj"]).T, d)
+        h = h + local @ _take(w["o_proj"], s["o_proj"]).T
+    out = h.clone()
+    for s in shards:
+        act = torch.nn.functional.silu(h @ _take(w["gate_proj"], s["gate_proj"]).T) * (h @ _take(w["up_proj"], s["up_proj"]).T)
+        out = out + act @ _take(w["down_proj"], s["down_proj"]).T
+    return out
+
+
+# (heads, kv_heads, tp): MHA, GQA split evenly, one KV head on 2 ranks, 2 KV heads on 4 and 8 ranks
+LAYER_CASES = [(4, 4, 2), (8, 4, 2), (4, 2, 4), (4, 1, 2), (8, 2, 4), (8, 2, 8)]
+
+
+@pytest.mark.points(3)
+@pytest.mark.task("layer_shards")
+def test_sharded_layer_equals_unsharded_float64(student):
+    """One decoder layer computed rank by rank on the slices layer_shards names, partial sums of o_proj and
+    down_proj added (the two all-reduces), equals the whole layer, in float64 (atol 1e-10: float64 rounding of
+    values of size ~1), for MHA, GQA and KV heads replicated past num_kv_heads."""
+    gen = torch.Generator().manual_seed(11)
+    d, hidden, mlp = 4, 16, 32
+    for heads, kv_heads, tp in LAYER_CASES:
+        w = _weights(hidden, heads, kv_heads, d, mlp, gen)
+        x = torch.randn(5, hidden, generator=gen, dtype=torch.float64)
+        with plug(student, LAB, only=["layer_shards"]):
+            shards = [parallel_linear.layer_shards(heads, kv_heads, d, mlp, r, tp) for r in range(tp)]
+        try:
+            got = _layer(w, x, d, shards, tp)
+        except (RuntimeError, TypeError, KeyError, IndexError, ValueError) as exc:
+            got = f"{type(exc).__name__}: {exc}"
+        expect_close(got, _layer(w, x, d), f"one layer, {heads} query heads, {kv_heads} KV heads of {d}, MLP {mlp}, "
+                     f"TP={tp}: the sum over ranks of your shards' outputs vs the unsharded layer", atol=1e-10)
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("layer_shards")
+def test_kv_heads_replicated_past_num_kv_heads(student):
+    """tp > num_kv_heads: every rank holds exactly one KV head, the one its query heads read, so each KV head
+    is on tp / num_kv_heads consecutive ranks (never an empty or a half head)."""
+    for heads, kv_heads, tp in [(4, 1, 2), (4, 1, 4), (8, 2, 4), (8, 2, 8), (16, 4, 8)]:
+        with plug(student, LAB, only=["layer_shards"]):
+            got = [_as_tuples(parallel_linear.layer_shards(heads, kv_heads, 8, 8 * tp, r, tp)) for r in range(tp)]
+        expect_equal(got, [_expected_shards(heads, kv_heads, 8, 8 * tp, r, tp) for r in range(tp)],
+                     f"layer_shards({heads}, {kv_heads}, 8, {8 * tp}, rank, {tp}) for every rank")
+
+
+@functools.cache
+def _qwen2():
+    """tiny-qwen2 (4 query heads, 1 KV head of 16, qkv bias, MLP 128) and its checkpoint, fp32."""
+    folder = preset_path("tiny-qwen2")
+    return folder, ModelConfig.load(str(folder)).args
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("layer_shards")
+def test_engine_loads_the_shards(student):
+    """The engine's loader with your layer_shards, TP=2 on tiny-qwen2: each rank's fused qkv weight and bias
+    are its q rows and the one (replicated) KV head's k and v rows, o_proj a RowParallelLinear over its q
+    columns, gate|up its MLP rows, down_proj its MLP columns, and its attention sizes 2 query heads, 1 KV head."""
+    folder, args = _qwen2()
+    ckpt = CheckpointReader(folder, torch.float32, torch.device("cpu"))
+    p = "model.layers.0"
+    for rank in range(2):
+        ctx = ParallelContext(SimulatedGroup(rank, 2), GroupCoordinator([rank], 0), 0, args.num_layers)
+        with plug(student, LAB, only=["layer_shards"]):
+            try:
+                model = LlamaForCausalLM(args, ckpt, 64, ctx)
+            except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as exc:
+                model = exc
+        if isinstance(model, Exception):
+            expect_equal(f"{type(model).__name__}: {model}", f"the shard of rank {rank} loaded",
+                         f"tiny-qwen2, TP=2: the engine loading rank {rank}'s shard with your layer_shards")
+            continue
+        attn, mlp = model.layers[0].attn, model.layers[0].mlp
+        q, f = slice(32 * rank, 32 * (rank + 1)), slice(64 * rank, 64 * (rank + 1))
+        get = lambda name: ckpt.get(f"{p}.{name}")  # noqa: E731
+        what = f"tiny-qwen2, TP=2, rank {rank}, layer 0"
+        expect_equal((attn.num_heads, attn.num_kv_heads), (2, 1), f"{what}: (query heads, KV heads) of the rank")
+        expect_close(attn.qkv_proj.weight, torch.cat([get("self_attn.q_proj.weight")[q], get("self_attn.k_proj.weight"),
+                                                      get("self_attn.v_proj.weight")]), f"{what}: qkv_proj.weight")
+        expect_close(attn.qkv_proj.bias, torch.cat([get("self_attn.q_proj.bias")[q], get("self_attn.k_proj.bias"),
+                                                    get("self_attn.v_proj.bias")]), f"{what}: qkv_proj.bias")
+        expect_equal(type(attn.o_proj).__name__, "RowParallelLinear", f"{what}: the kind of o_proj")
+        expect_close(attn.o_proj.weight, get("self_attn.o_proj.weight")[:, q], f"{what}: o_proj.weight")
+        expect_close(mlp.gate_up_proj.weight, torch.cat([get("mlp.gate_proj.weight")[f], get("mlp.up_proj.weight")[f]]),
+                     f"{what}: gate_up_proj.weight")
+        expect_equal(type(mlp.down_proj).__name__, "RowParallelLinear", f"{what}: the kind of down_proj")
+        expect_close(mlp.down_proj.weight, get("mlp.down_proj.weight")[:, f], f"{what}: down_proj.weight")
+
+
+# ---- task 3: row_parallel_forward --------------------------------------------------------------------
+
+def _row_parallel_case(student, tp, residual, gen):
+    hidden, inner = 6, 4 * tp
+    w = torch.randn(hidden, inner, generator=gen, dtype=torch.float64)
+    b = torch.randn(hidden, generator=gen, dtype=torch.float64)
+    x = torch.randn(3, inner, generator=gen, dtype=torch.float64)
+    r = torch.randn(3, hidden, generator=gen, dtype=torch.float64) if residual else None
+    per = inner // tp
+
+    def run_rank(group):
+        cols = slice(group.rank_in_group * per, (group.rank_in_group + 1) * per)
+        layer = RowParallelLinear(torch.nn.Parameter(w[:, cols].contiguous(), requires_grad=False),
+                                  torch.nn.Parameter(b.clone(), requires_grad=False), group)
+        return layer(x[:, cols], None if r is None else r.clone())
+
+    with plug(student, LAB, only=["row_parallel_forward"]):
+        sums, outs, counts = simulate(run_rank, tp)
+    expected = x @ w.T + b + (0 if r is None else r)
+    return sums, outs, counts, expected
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("row_parallel_forward")
+def test_row_parallel_sums_partials_once(student):
+    """RowParallelLinear over TP=2 and 4 (bias on rank 0, no residual): each rank all-reduces once, the
+    partials sum to x @ W.T + bias (float64, atol 1e-12), and every rank returns that sum."""
+    gen = torch.Generator().manual_seed(3)
+    for tp in (2, 4):
+        sums, outs, counts, expected = _row_parallel_case(student, tp, False, gen)
+        what = f"RowParallelLinear, TP={tp}, 3 rows, 6 outputs, bias, no residual"
+        expect_equal(counts, [1] * tp, f"{what}: all-reduces each rank ran in one forward")
+        expect_close(sums[0] if sums else "no all-reduce", expected, f"{what}: the sum of the ranks' partials",
+                     atol=1e-12)
+        for rank, out in enumerate(outs):
+            expect_close(out, expected, f"{what}: rank {rank}'s output", atol=1e-12)
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("row_parallel_forward")
+def test_row_parallel_residual_once(student):
+    """With the residual folded in: the sum is x @ W.T + bias + residual, the residual added once (on rank 0's
+    partial), on TP=2 and 4."""
+    gen = torch.Generator().manual_seed(4)
+    for tp in (2, 4):
+        sums, outs, counts, expected = _row_parallel_case(student, tp, True, gen)
+        what = f"RowParallelLinear, TP={tp}, 3 rows, 6 outputs, bias, residual"
+        expect_equal(counts, [1] * tp, f"{what}: all-reduces each rank ran in one forward")
+        for rank, out in enumerate(outs):
+            expect_close(out, expected, f"{what}: rank {rank}'s output (x @ W.T + bias + residual)", atol=1e-12)
+
+
+# ---- task 4: embedding_forward ---------------------------------------------------------------------
+
+def _embedding_case(student, vocab, tp, ids):
+    gen = torch.Generator().manual_seed(vocab * 10 + tp)
+    table = torch.randn(vocab, 3, generator=gen, dtype=torch.float64)
+
+    def run_rank(group):
+        layer = VocabParallelEmbedding(VocabParallelEmbedding.shard(table, group), vocab, group)
+        return layer(ids.clone())
+
+    with plug(student, LAB, only=["embedding_forward"]):
+        sums, outs, counts = simulate(run_rank, tp)
+    return table[ids], sums, outs, counts
+
+
+def _check_embedding(student, vocab, tp, ids, what):
+    expected, sums, outs, counts = _embedding_case(student, vocab, tp, ids)
+    expect_equal(counts, [1] * tp, f"{what}: all-reduces each rank ran in one forward (one for the whole batch)")
+    expect_close(sums[0] if sums else "no all-reduce", expected, f"{what}: the sum of the ranks' lookups", atol=0)
+    for rank, out in enumerate(outs):
+        expect_close(out, expected, f"{what}: rank {rank}'s output", atol=0)
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("embedding_forward")
+def test_embedding_shards_sum_to_the_table(student):
+    """Vocabulary 10 on TP=2 (rows 0:5 and 5:10), 12 random ids: every rank returns each token's row, exactly
+    (x + 0 = x), after one all-reduce."""
+    ids = torch.randint(0, 10, (12,), generator=torch.Generator().manual_seed(5))
+    _check_embedding(student, 10, 2, ids, f"vocab 10, TP=2, ids {ids.tolist()}")
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("embedding_forward")
+def test_embedding_shard_edges(student):
+    """Padded shards (vocab 11 on TP=2: 6 rows each, rank 1's last a zero pad; vocab 10 on TP=3 and 4), every
+    id of the vocabulary (each shard's first and last id and the next shard's first among them), and an empty
+    batch."""
+    for vocab, tp in [(11, 2), (10, 3), (10, 4)]:
+        ids = torch.arange(vocab).flip(0)
+        _check_embedding(student, vocab, tp, ids, f"vocab {vocab}, TP={tp}, every id {ids.tolist()}")
+    _check_embedding(student, 11, 2, torch.zeros(0, dtype=torch.int64), "vocab 11, TP=2, no ids (an empty batch)")
+
+
+# ---- task 5: get_pp_indices ------------------------------------------------------------------------
+
+PP_EXAMPLES = [(10, 4, [(0, 2), (2, 5), (5, 8), (8, 10)]), (5, 2, [(0, 3), (3, 5)]), (2, 2, [(0, 1), (1, 2)]),
+               (28, 3, [(0, 9), (9, 19), (19, 28)]), (7, 1, [(0, 7)])]
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("get_pp_indices")
+def test_pp_split_examples(student):
+    """vLLM's examples: 10 layers on 4 stages (0, 2), (2, 5), (5, 8), (8, 10); 5 on 2: (0, 3), (3, 5); 28 on 3:
+    the extra layer on stage 1; one stage holds everything."""
+    for layers, pp, expected in PP_EXAMPLES:
+        with plug(student, LAB, only=["get_pp_indices"]):
+            got = [tuple(parallel_state.get_pp_indices(layers, r, pp)) for r in range(pp)]
+        expect_equal(got, expected, f"get_pp_indices({layers}, stage, {pp}) for every stage")
+
+
+def _split(layers, pp):
+    """The rule, written from its statement: base layers each, one more on the `remainder` stages just before
+    the last one."""
+    base, extra = divmod(layers, pp)
+    sizes = [base + (pp - 1 - extra <= s < pp - 1) for s in range(pp)]
+    return [(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(pp)]
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("get_pp_indices")
+def test_pp_split_every_size(student):
+    """Every split of 1..40 layers on 1..8 stages (no stage empty): contiguous, covering every layer once, the
+    remainder one layer each on the stages just before the last."""
+    for layers in range(1, 41):
+        for pp in range(1, min(layers, 8) + 1):
+            with plug(student, LAB, only=["get_pp_indices"]):
+                got = [tuple(parallel_state.get_pp_indices(layers, r, pp)) for r in range(pp)]
+            expect_equal(got, _split(layers, pp), f"get_pp_indices({layers}, stage, {pp}) for every stage")
+
+
+# ---- task 6: pipeline_schedule and bubble_fraction (contract only; not seams: called directly) ---------
+
+def _schedule(m, p):
+    return [[None] * s + list(range(m)) + [None] * (p - 1 - s) for s in range(p)]
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("pipeline_schedule")
+def test_schedule_by_hand(student):
+    """3 micro-batches on 2 stages: [[0, 1, 2, None], [None, 0, 1, 2]]; one on one: [[0]]; 2 on 3 stages:
+    [[0, 1, None, None], [None, 0, 1, None], [None, None, 0, 1]]."""
+    for m, p in [(3, 2), (1, 1), (2, 3)]:
+        expect_equal(student.pipeline_schedule(m, p), _schedule(m, p), f"pipeline_schedule({m}, {p})")
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("pipeline_schedule")
+def test_bubble_numbers(student):
+    """(p - 1) / (m + p - 1): one batch on 4 stages idles 3/4 of the stage-slots, 8 micro-batches 3/11, 16 on 8
+    stages 7/23, one stage never idles (rtol 1e-12: exact fractions)."""
+    for m, p in [(1, 4), (8, 4), (16, 8), (5, 1), (1, 2), (100, 4)]:
+        expect_close(student.bubble_fraction(m, p), (p - 1) / (m + p - 1),
+                     f"bubble_fraction({m}, {p}): idle (stage, slot) cells over all p x (m + p - 1)", rtol=1e-12)
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("pipeline_schedule")
+def test_schedule_contract_every_size(student):
+    """Every m in 1..12, p in 1..8: the schedule the contract defines, and bubble_fraction equal to its idle share."""
+    for m in range(1, 13):
+        for p in range(1, 9):
+            expected = _schedule(m, p)
+            expect_equal(student.pipeline_schedule(m, p), expected, f"pipeline_schedule({m}, {p})")
+            idle = sum(cell is None for row in expected for cell in row) / (p * (m + p - 1))
+            expect_close(student.bubble_fraction(m, p), idle, f"bubble_fraction({m}, {p})", rtol=1e-12)
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("pipeline_schedule")
+def test_schedule_rejects_bad_sizes(student):
+    """No micro-batch, no stage, a negative, a float or a bool: ValueError naming the parameter, from both."""
+    for fn in ("pipeline_schedule", "bubble_fraction"):
+        for m, p, name in [(0, 2, "num_microbatches"), (3, 0, "num_stages"), (-1, 2, "num_microbatches"),
+                           (2.0, 2, "num_microbatches"), (2, True, "num_stages")]:
+            expect_raises(ValueError, getattr(student, fn), m, p, match=name,
+                          message=f"{fn}({m!r}, {p!r}): a ValueError naming {name}")
+
+
+# ---- end to end: two worker processes (TP=2, gloo, fp32) against one -----------------------------------
+
+E2E_MODEL = "tiny-qwen2"  # 4 query heads, 1 KV head (replicated on both ranks), vocab 512 (shard edge 256)
+E2E_PROMPTS = [[(37 * i + 11 * j) % 509 + 3 for j in range(n)] for i, n in enumerate((9, 14, 5))]
+E2E_PROMPTS[0][:3] = [255, 256, 257]  # ids on both sides of the embedding's shard edge
+E2E_GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+E2E_ARGS = dict(num_gpu_blocks=32, block_size=4)
+
+
+def _tokens(llm):
+    return [list(o.outputs[0].token_ids) for o in llm.generate(E2E_PROMPTS, E2E_GREEDY, use_tqdm=False)]
+
+
+@functools.cache
+def _reference_tokens():
+    """The one-process engine (outside any plug)."""
+    llm = LLM(E2E_MODEL, **E2E_ARGS)
+    return _tokens(llm)
+
+
+@pytest.mark.points(4)
+@pytest.mark.task("end_to_end")
+@pytest.mark.end_to_end
+def test_tp2_tokens_equal_tp1(student):
+    """tiny-qwen2 at tensor_parallel_size=2: two worker processes (gloo, fp32) load their shards with your
+    layer_shards and run your row_parallel_forward, embedding_forward and get_pp_indices; 3 prompts (one
+    with ids 255, 256, 257 across the vocab shard edge), 6 greedy tokens each: the same tokens as the one-process
+    engine, and per forward step 2 x layers + 1 all-reduces on each rank (one per step gathers the logits)."""
+    with plug(student, LAB) as plugged:
+        with plugged_workers(student, LAB):
+            llm = LLM(E2E_MODEL, tensor_parallel_size=2, **E2E_ARGS)
+        try:
+            tokens = _tokens(llm)
+            stats = llm.engine.stats()
+            for rank_calls in llm.engine.executor.collective_rpc(worker_calls):
+                for name, n in rank_calls.items():
+                    plugged.calls[name] += n  # the engine's calls of your functions, in its workers
+        finally:
+            llm.shutdown()
+    what = f"{E2E_MODEL}, TP=2, prompts of lengths {[len(p) for p in E2E_PROMPTS]}, 6 greedy tokens"
+    expect_equal(plugged.uncalled(), [], f"{what}: your functions the workers never called")
+    expect_equal(tokens, _reference_tokens(), f"{what}: each request's tokens (the one-process engine's)")
+    layers = 2
+    expect_equal(stats["comm_num_all_reduces"], (2 * layers + 1) * stats["comm_num_gathers"],
+                 f"{what}: all-reduces over both ranks, against (2 x {layers} layers + 1) x the gathers (one per "
+                 f"rank and forward step)")
