@@ -335,11 +335,11 @@ flat_v = kv.value_cache.view(-1, *value.shape[1:])
 flat_k.index_copy_(0, self.meta.slot_mapping, key.to(flat_k.dtype))
 flat_v.index_copy_(0, self.meta.slot_mapping, value.to(flat_v.dtype))
 """
-# lab 14: the tables gathered in torch from the numpy array, the width from Python ints
+# lab 14: the tables gathered in torch (index_select) from the numpy arrays, the width from a torch max
 TABLES = """\
-widths = [int(self.num_blocks[r]) for r in rows]
-table = torch.from_numpy(self.block_table)
-return table[rows][:, :max(widths, default=0)].contiguous()
+idx = torch.as_tensor(rows, dtype=torch.long)
+width = int(torch.from_numpy(self.num_blocks)[idx].max()) if rows else 0
+return torch.from_numpy(self.block_table).index_select(0, idx)[:, :width]
 """
 # lab 14: finished requests recognised by identity, the queue filtered in place
 REMOVE = """\
