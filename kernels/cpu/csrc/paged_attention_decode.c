@@ -1,4 +1,4 @@
-/* Paged decode attention on CPU, fp32: one query row per sequence over its cached context.
+/* Paged decode attention on CPU, fp32 or bf16: one query row per sequence over its cached context.
  *
  * Reads the KV blocks in place through the block table (no gather copy). A work item is one
  * sequence and a run of its KV heads (all of them when there are enough sequences to keep every
@@ -13,6 +13,12 @@
  * a multiple of 8 (the caller checks), specialised at compile time for 16, 32, 64 and 128 so the
  * loops over it unroll. The next block's rows are prefetched while a block computes.
  *
+ * bf16 (query, caches and output all bf16): each K/V row is widened to fp32 as it is loaded, and every
+ * score, probability, sum and accumulator is fp32 as in the fp32 kernel; only the output is rounded
+ * to bf16 (what the reference does: it gathers the blocks, attends in fp32 and casts the result). The
+ * bf16 cache halves the bytes a step streams. `BF16` is a compile-time constant in each caller, so
+ * the two variants are specialised.
+ *
  * Cache layout [num_blocks, block_size, num_kv_heads, head_dim], contiguous. Returns 0,
  * KERNELS_CPU_BAD_BLOCK when a block id a sequence needs lies outside [0, num_blocks), or
  * KERNELS_CPU_SHORT_TABLE when a sequence needs more blocks than its table row has (nothing is read
@@ -25,20 +31,29 @@
 
 #define KERNELS_CPU_BAD_BLOCK 1
 #define KERNELS_CPU_SHORT_TABLE 3
+#define PARALLEL_MIN_WORK 8192 /* (context token, query head) pairs: ~1 MFLOP at head_dim 64 */
+
+/* 8 values of a row of fp32 (BF16 = 0) or bf16 (BF16 = 1) elements, element offset i, as fp32. */
+static inline __attribute__((always_inline)) v8 load8(const void *p, int64_t i, const int BF16) {
+    if (BF16) return bf16_load8((const bf16_t *)p + i);
+    return *(const v8u *)((const float *)p + i);
+}
 
 /* Query heads h0 * group .. h1 * group of one sequence (out and q point at head h0 * group); nv =
  * head_dim / 8. */
 static inline __attribute__((always_inline)) int attend_heads(
-    float *out, const float *q, int64_t q_head_stride, const float *key_cache, const float *value_cache,
+    void *out, const void *q, int64_t q_head_stride, const void *key_cache, const void *value_cache,
     const int32_t *table, int64_t table_width, int64_t seq_len, int64_t h0, int64_t h1, int64_t group,
-    int64_t num_kv_heads, const int64_t nv, int64_t block_size, int64_t num_blocks, float scale) {
+    int64_t num_kv_heads, const int64_t nv, int64_t block_size, int64_t num_blocks, float scale, const int BF16) {
+    const int64_t elem = BF16 ? 2 : 4;
+    const char *kc = (const char *)key_cache, *vc = (const char *)value_cache;
     const int64_t head_dim = 8 * nv, nh = h1 - h0, nq = nh * group, token_stride = num_kv_heads * head_dim;
     const int64_t padded = (block_size + 7) / 8 * 8;
     v8 qv[nq][nv], acc[nq][nv], pv[nq][padded / 8]; /* pv: a block's scores, then its probabilities */
     float(*p)[padded] = (float(*)[padded])pv, m[nq], l[nq];
     for (int64_t i = 0; i < nq; i++) {
         for (int64_t j = 0; j < nv; j++) {
-            qv[i][j] = ((const v8u *)(q + i * q_head_stride))[j] * scale;
+            qv[i][j] = load8(q, i * q_head_stride + 8 * j, BF16) * scale;
             acc[i][j] = (v8){0};
         }
         for (int64_t t = 0; t < padded; t++) p[i][t] = -INFINITY;
@@ -57,12 +72,14 @@ static inline __attribute__((always_inline)) int attend_heads(
         const int64_t next_base = next >= 0 && next < num_blocks ? next * block_size * token_stride + h0 * head_dim : -1;
         for (int64_t t = 0; t < n; t++) {
             if (next_base >= 0)
-                for (int64_t x = 0; x < nh * head_dim; x += 16) {
-                    __builtin_prefetch(key_cache + next_base + t * token_stride + x);
-                    __builtin_prefetch(value_cache + next_base + t * token_stride + x);
+                for (int64_t x = 0; x < nh * head_dim * elem; x += 64) {
+                    __builtin_prefetch(kc + (next_base + t * token_stride) * elem + x);
+                    __builtin_prefetch(vc + (next_base + t * token_stride) * elem + x);
                 }
             for (int64_t h = 0; h < nh; h++) {
-                const v8u *k = (const v8u *)(key_cache + base + t * token_stride + h * head_dim);
+                const int64_t k_row = base + t * token_stride + h * head_dim;
+                v8 k[nv];
+                for (int64_t j = 0; j < nv; j++) k[j] = load8(key_cache, k_row + 8 * j, BF16);
                 for (int64_t g = 0; g < group; g++) {
                     const v8 *qi = qv[h * group + g];
                     v8 s = qi[0] * k[0];
@@ -90,12 +107,12 @@ static inline __attribute__((always_inline)) int attend_heads(
             for (int64_t j = 0; j < nv; j++) acc[i][j] *= alpha;
         }
         for (int64_t h = 0; h < nh; h++) {
-            const float *v = value_cache + base + h * head_dim;
+            const int64_t v_row = base + h * head_dim;
             for (int64_t g = 0; g < group; g++) {
                 const int64_t i = h * group + g;
                 for (int64_t j = 0; j < nv; j++) {
                     v8 a = acc[i][j];
-                    for (int64_t t = 0; t < n; t++) a += p[i][t] * ((const v8u *)(v + t * token_stride))[j];
+                    for (int64_t t = 0; t < n; t++) a += p[i][t] * load8(value_cache, v_row + t * token_stride + 8 * j, BF16);
                     acc[i][j] = a;
                 }
             }
@@ -103,19 +120,26 @@ static inline __attribute__((always_inline)) int attend_heads(
     }
     for (int64_t i = 0; i < nq; i++) {
         const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-        for (int64_t j = 0; j < nv; j++) ((v8u *)(out + i * head_dim))[j] = acc[i][j] * inv;
+        for (int64_t j = 0; j < nv; j++) {
+            if (BF16)
+                bf16_store8((bf16_t *)out + i * head_dim + 8 * j, acc[i][j] * inv);
+            else
+                ((v8u *)((float *)out + i * head_dim))[j] = acc[i][j] * inv;
+        }
     }
     return 0;
 }
 
 #define ATTEND(NV)                                                                                            \
-    attend_heads(out, q, q_head_stride, key_cache, value_cache, table, table_width, seq_len, h0, h1, group,   \
-                 num_kv_heads, NV, block_size, num_blocks, scale)
+    (bf16 ? attend_heads(out, q, q_head_stride, key_cache, value_cache, table, table_width, seq_len, h0, h1, group, \
+                         num_kv_heads, NV, block_size, num_blocks, scale, 1)                                      \
+          : attend_heads(out, q, q_head_stride, key_cache, value_cache, table, table_width, seq_len, h0, h1, group, \
+                         num_kv_heads, NV, block_size, num_blocks, scale, 0))
 
-static int attend(float *out, const float *q, int64_t q_head_stride, const float *key_cache,
-                  const float *value_cache, const int32_t *table, int64_t table_width, int64_t seq_len, int64_t h0,
-                  int64_t h1, int64_t group, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                  int64_t num_blocks, float scale) {
+static int attend(void *out, const void *q, int64_t q_head_stride, const void *key_cache, const void *value_cache,
+                  const int32_t *table, int64_t table_width, int64_t seq_len, int64_t h0, int64_t h1, int64_t group,
+                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale,
+                  int bf16) {
     switch (head_dim) {
         case 16: return ATTEND(2);
         case 32: return ATTEND(4);
@@ -127,23 +151,30 @@ static int attend(float *out, const float *q, int64_t q_head_stride, const float
 
 /* out [num_seqs, num_heads, head_dim] contiguous; query rows at q_seq_stride / q_head_stride (head_dim
  * contiguous); block_tables [num_seqs, table_width] int32 with row stride table_stride; seq_lens int32;
- * head_splits: how many runs each sequence's KV heads are cut into (1 .. num_kv_heads). */
-int paged_attention_decode_f32(float *out, const float *query, const float *key_cache, const float *value_cache,
-                               const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
-                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                               int64_t num_blocks, int64_t q_seq_stride, int64_t q_head_stride,
-                               int64_t table_stride, int64_t table_width, int64_t head_splits, float scale) {
+ * head_splits: how many runs each sequence's KV heads are cut into (1 .. num_kv_heads); bf16: 1 when
+ * query, caches and out are bf16, 0 when fp32. */
+int paged_attention_decode(void *out, const void *query, const void *key_cache, const void *value_cache,
+                           const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
+                           int64_t q_seq_stride, int64_t q_head_stride, int64_t table_stride, int64_t table_width,
+                           int64_t head_splits, float scale, int64_t bf16) {
+    const int64_t elem = bf16 ? 2 : 4;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t items = num_seqs * head_splits;
     int status = 0;
-#pragma omp parallel for schedule(dynamic, 1) if (items > 1)
+    /* Threads only where the work outweighs waking them (tens of microseconds, more when another process
+     * holds the other core): a batch-1 step over a short context is a few microseconds of arithmetic. */
+    int64_t context = 0;
+    for (int64_t s = 0; s < num_seqs; s++) context += seq_lens[s];
+#pragma omp parallel for schedule(dynamic, 1) if (items > 1 && context * num_heads >= PARALLEL_MIN_WORK)
     for (int64_t i = 0; i < items; i++) {
         const int64_t s = i / head_splits, part = i % head_splits;
         const int64_t h0 = num_kv_heads * part / head_splits, h1 = num_kv_heads * (part + 1) / head_splits;
-        const int rc = attend(out + (s * num_heads + h0 * group) * head_dim,
-                              query + s * q_seq_stride + h0 * group * q_head_stride, q_head_stride, key_cache,
-                              value_cache, block_tables + s * table_stride, table_width, seq_lens[s], h0, h1, group,
-                              num_kv_heads, head_dim, block_size, num_blocks, scale);
+        const int rc = attend((char *)out + (s * num_heads + h0 * group) * head_dim * elem,
+                              (const char *)query + (s * q_seq_stride + h0 * group * q_head_stride) * elem,
+                              q_head_stride, key_cache, value_cache, block_tables + s * table_stride, table_width,
+                              seq_lens[s], h0, h1, group, num_kv_heads, head_dim, block_size, num_blocks, scale,
+                              (int)bf16);
         if (rc) {
 #pragma omp atomic write
             status = rc;
