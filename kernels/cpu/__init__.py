@@ -60,16 +60,16 @@ def load_error() -> str | None:
 
 def _declare(lib: ctypes.CDLL) -> None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.paged_attention_decode.argtypes = [ptr] * 6 + [i64] * 11 + [ctypes.c_float, i64]
     lib.reshape_and_cache.argtypes = [ptr] * 5 + [i64] * 9
     for t in ("f32", "bf16"):
+        getattr(lib, f"paged_attention_decode_{t}").argtypes = [ptr] * 6 + [i64] * 11 + [ctypes.c_float]
+        getattr(lib, f"paged_attention_decode_{t}").restype = ctypes.c_int
         getattr(lib, f"rms_norm_{t}").argtypes = [ptr] * 3 + [i64] * 3 + [ctypes.c_float]
         getattr(lib, f"silu_and_mul_{t}").argtypes = [ptr] * 2 + [i64] * 3
         getattr(lib, f"rotary_embedding_{t}").argtypes = [ptr] * 4 + [i64] * 5
         getattr(lib, f"rms_norm_{t}").restype = getattr(lib, f"silu_and_mul_{t}").restype = None
         getattr(lib, f"rotary_embedding_{t}").restype = ctypes.c_int
-    for f in (lib.paged_attention_decode, lib.reshape_and_cache):
-        f.restype = ctypes.c_int
+    lib.reshape_and_cache.restype = ctypes.c_int
 
 
 def _check(status: int) -> None:
@@ -123,10 +123,10 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
     # KV heads into runs only when there are too few sequences to keep every thread busy.
     head_splits = min(num_kv_heads, -(-_ITEMS_PER_THREAD * torch.get_num_threads() // max(num_seqs, 1)))
     with _profiled("kernels.cpu.paged_attention_decode"):
-        status = lib.paged_attention_decode(
+        status = _typed(lib.paged_attention_decode_f32, lib.paged_attention_decode_bf16, query)(
             out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
             lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, query.stride(0),
-            query.stride(1), tables.stride(0), tables.shape[1], head_splits, scale, query.dtype == torch.bfloat16)
+            query.stride(1), tables.stride(0), tables.shape[1], head_splits, scale)
     _check(status)
     return out
 
