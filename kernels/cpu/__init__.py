@@ -103,8 +103,8 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
                            k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
                            num_splits: int = 1) -> torch.Tensor:
     """`reference.paged_attention_decode`, fp32 or bf16 caches (the query of the same dtype) with head_dim a
-    multiple of 8 in C. `num_splits`
-    only names a GPU work split: it is checked, then ignored (the result does not depend on it)."""
+    multiple of 8 in C. `num_splits` only names a GPU work split: it is checked, then ignored (the result does
+    not depend on it)."""
     lib = load()
     if (lib is None or not _fast_cpu(query, key_cache, value_cache) or not key_cache.is_contiguous()
             or not value_cache.is_contiguous() or query.stride(-1) != 1 or query.shape[-1] % 8):
