@@ -38,7 +38,7 @@ BACKENDS = ("auto", "torch", "cpu", "triton")
 @dataclass(frozen=True)
 class KernelOps:
     """One step's kernels: the backend's attention and cache ops, with `kernels.reference`'s signatures
-    (positional arguments only), and the fused elementwise ops `kernels.cpu` has for fp32 CPU rows."""
+    (positional arguments only), and the fused elementwise ops `kernels.cpu` has for fp32 and bf16 CPU rows."""
 
     backend: str
     reshape_and_cache: Callable[..., None]
@@ -76,8 +76,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def kernel_ops(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> KernelOps:
-    """The ops of `backend` for tensors on `device`; with `dtype` float32 on the cpu backend, its fused
-    elementwise C ops too (the exact mode that matches Hugging Face). The functions are looked up in
+    """The ops of `backend` for tensors on `device`; with `dtype` float32 or bfloat16 on the cpu backend, its
+    fused elementwise C ops too (rounding where the model's PyTorch formulas round, so they match Hugging Face). The functions are looked up in
     their modules at each call of this function, so a replaced module attribute (lab 06's seam) takes
     effect from the next step."""
     resolved = resolve_backend(backend, device)
@@ -86,7 +86,7 @@ def kernel_ops(backend: str, device: torch.device, dtype: torch.dtype | None = N
                          reference.paged_attention_decode)
     if resolved == "cpu":
         from kernels import cpu
-        fused = dtype == torch.float32
+        fused = dtype in cpu.FAST_DTYPES
         return KernelOps(resolved, cpu.reshape_and_cache, cpu.paged_attention, cpu.paged_attention_decode,
                          cpu.rms_norm if fused else None, cpu.silu_and_mul if fused else None,
                          cpu.rotary_embedding if fused else None)

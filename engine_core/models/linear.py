@@ -1,8 +1,8 @@
 """Linear layers: the projection, with its GEMM delegated to a `quant_method` (vLLM's seam).
 
 The method (models/quantization/) stores the weight its way and computes x @ W.T + bias (+ residual):
-`UnquantizedLinearMethod` (the default: `F.linear`, or oneDNN with a prepacked weight for fp32 on CPU,
-residual fused), `Int8LinearMethod` (W8A8), `RTNLinearMethod` (W4A16 group-wise).
+`UnquantizedLinearMethod` (the default: `F.linear`, or oneDNN with a prepacked weight for fp32 and bf16 on CPU,
+fp32 with the residual fused), `Int8LinearMethod` (W8A8), `RTNLinearMethod` (W4A16 group-wise).
 
 With multi-LoRA serving a Linear also holds its adapter slots (`lora`, set by
 `models.lora.attach_lora_stacks`); a step whose rows use adapters adds each row's delta

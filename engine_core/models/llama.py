@@ -65,7 +65,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, op: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
                 ) -> torch.Tensor:
-        """`op`: the step's fused RMSNorm (`KernelOps.rms_norm`: one C call for fp32 CPU rows) instead of six ops."""
+        """`op`: the step's fused RMSNorm (`KernelOps.rms_norm`: one C call for fp32 or bf16 CPU rows) instead of six ops."""
         if op is not None and x.dim() == 2:
             return op(x, self.weight, self.eps)
         h = x.float()

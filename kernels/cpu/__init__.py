@@ -2,11 +2,12 @@
 model's fused elementwise ops (RMSNorm, SiLU-and-mul, RoPE in place; vLLM's names).
 
 The attention ops keep `kernels.reference`'s contracts (and are tested against it). They cover
-fp32 caches; any other case (fp8 or half-precision caches, mixed dtypes) runs the reference op,
-so every call here is valid. Prefill attention is the reference op: per sequence it gathers a few
-blocks for many query rows, where the copy is small next to the attention math. The elementwise
-ops take fp32 only (the model calls them only then) and are tested against the model's PyTorch
-formulas.
+fp32 and bf16 caches (bf16: widened to fp32 as read, fp32 softmax and accumulation, the output
+rounded once); any other case (fp8 or fp16 caches, mixed dtypes) runs the reference op, so every
+call here is valid. Prefill attention is the reference op: per sequence it gathers a few blocks for
+many query rows, where the copy is small next to the attention math. The elementwise ops take fp32
+or bf16 (bf16 rounded at every step where the model's PyTorch formula rounds) and are tested against
+those formulas.
 
 The library is built on first use (`build.py`); if that fails, `load()` warns once with the
 reason and returns None, and the dispatch in `kernels` keeps the reference ops.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import warnings
+from typing import Callable
 
 import torch
 from torch.profiler import record_function
@@ -58,14 +60,16 @@ def load_error() -> str | None:
 
 def _declare(lib: ctypes.CDLL) -> None:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.paged_attention_decode_f32.argtypes = [ptr] * 6 + [i64] * 11 + [ctypes.c_float]
-    lib.reshape_and_cache_f32.argtypes = [ptr] * 5 + [i64] * 8
-    lib.rms_norm_f32.argtypes = [ptr] * 3 + [i64] * 3 + [ctypes.c_float]
-    lib.silu_and_mul_f32.argtypes = [ptr] * 2 + [i64] * 3
-    lib.rotary_embedding_f32.argtypes = [ptr] * 4 + [i64] * 5
-    lib.rms_norm_f32.restype = lib.silu_and_mul_f32.restype = None
-    for f in (lib.paged_attention_decode_f32, lib.reshape_and_cache_f32, lib.rotary_embedding_f32):
-        f.restype = ctypes.c_int
+    lib.reshape_and_cache.argtypes = [ptr] * 5 + [i64] * 9
+    for t in ("f32", "bf16"):
+        getattr(lib, f"paged_attention_decode_{t}").argtypes = [ptr] * 6 + [i64] * 11 + [ctypes.c_float]
+        getattr(lib, f"paged_attention_decode_{t}").restype = ctypes.c_int
+        getattr(lib, f"rms_norm_{t}").argtypes = [ptr] * 3 + [i64] * 3 + [ctypes.c_float]
+        getattr(lib, f"silu_and_mul_{t}").argtypes = [ptr] * 2 + [i64] * 3
+        getattr(lib, f"rotary_embedding_{t}").argtypes = [ptr] * 4 + [i64] * 5
+        getattr(lib, f"rms_norm_{t}").restype = getattr(lib, f"silu_and_mul_{t}").restype = None
+        getattr(lib, f"rotary_embedding_{t}").restype = ctypes.c_int
+    lib.reshape_and_cache.restype = ctypes.c_int
 
 
 def _check(status: int) -> None:
@@ -79,18 +83,30 @@ def _profiled(name: str) -> contextlib.AbstractContextManager[object]:
     return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
-def _fp32_cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+FAST_DTYPES = (torch.float32, torch.bfloat16)  # what the C kernels compute in
+
+
+def _fast_cpu(*tensors: torch.Tensor) -> bool:
+    """CPU tensors of one dtype the C kernels take. A plain loop over `is_cpu`: this runs ~200 times a decode
+    step, where a generator and a `torch.device` per tensor cost ~0.5 ms of a batch-1 step."""
+    dtype = tensors[0].dtype
+    if dtype not in FAST_DTYPES:
+        return False
+    for t in tensors:
+        if t.dtype != dtype or not t.is_cpu:
+            return False
+    return True
 
 
 def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
                            num_splits: int = 1) -> torch.Tensor:
-    """`reference.paged_attention_decode`, fp32 caches with head_dim a multiple of 8 in C. `num_splits`
-    only names a GPU work split: it is checked, then ignored (the result does not depend on it)."""
+    """`reference.paged_attention_decode`, fp32 or bf16 caches (the query of the same dtype) with head_dim a
+    multiple of 8 in C. `num_splits` only names a GPU work split: it is checked, then ignored (the result does
+    not depend on it)."""
     lib = load()
-    if (lib is None or not _fp32_cpu(query, key_cache, value_cache) or not key_cache.is_contiguous()
+    if (lib is None or not _fast_cpu(query, key_cache, value_cache) or not key_cache.is_contiguous()
             or not value_cache.is_contiguous() or query.stride(-1) != 1 or query.shape[-1] % 8):
         return reference.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
                                                 k_scale, v_scale, num_splits)
@@ -113,7 +129,7 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
     # KV heads into runs only when there are too few sequences to keep every thread busy.
     head_splits = min(num_kv_heads, -(-_ITEMS_PER_THREAD * torch.get_num_threads() // max(num_seqs, 1)))
     with _profiled("kernels.cpu.paged_attention_decode"):
-        status = lib.paged_attention_decode_f32(
+        status = _typed(lib.paged_attention_decode_f32, lib.paged_attention_decode_bf16, query)(
             out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
             lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, query.stride(0),
             query.stride(1), tables.stride(0), tables.shape[1], head_splits, scale)
@@ -124,9 +140,9 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, kv_cache_dtype: str = "auto",
                       k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0) -> None:
-    """`reference.reshape_and_cache`, fp32 caches in C (K/V may be strided views, head_dim contiguous)."""
+    """`reference.reshape_and_cache`, fp32 or bf16 caches in C (K/V may be strided views, head_dim contiguous)."""
     lib = load()
-    if (lib is None or kv_cache_dtype != "auto" or not _fp32_cpu(key, value, key_cache, value_cache)
+    if (lib is None or kv_cache_dtype != "auto" or not _fast_cpu(key, value, key_cache, value_cache)
             or not key_cache.is_contiguous() or not value_cache.is_contiguous()
             or key.stride(-1) != 1 or value.stride(-1) != 1):
         return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype,
@@ -139,20 +155,32 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     if slots.shape != (num_tokens,):
         raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
     with _profiled("kernels.cpu.reshape_and_cache"):
-        status = lib.reshape_and_cache_f32(
+        status = lib.reshape_and_cache(
             key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(),
             num_tokens, num_kv_heads, head_dim, key_cache.shape[0] * key_cache.shape[1], key.stride(0),
-            key.stride(1), value.stride(0), value.stride(1))
+            key.stride(1), value.stride(0), value.stride(1), key.element_size())
     _check(status)
 
 
 def _require(lib: ctypes.CDLL | None, *tensors: torch.Tensor) -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError(f"kernels.cpu: the C kernels are unavailable: {_load_error}")
-    if not _fp32_cpu(*tensors) or any(t.stride(-1) != 1 for t in tensors):
-        raise ValueError("kernels.cpu elementwise ops take fp32 CPU tensors whose last dimension is contiguous, got "
+    if not _fast_cpu(*tensors) or not _last_dim_contiguous(tensors):
+        raise ValueError("kernels.cpu elementwise ops take fp32 or bf16 CPU tensors of one dtype whose last dimension "
+                         "is contiguous, got "
                          + ", ".join(f"{t.dtype} {t.device} strides {t.stride()}" for t in tensors))
     return lib
+
+
+def _last_dim_contiguous(tensors: tuple[torch.Tensor, ...]) -> bool:
+    for t in tensors:
+        if t.stride(-1) != 1:
+            return False
+    return True
+
+
+def _typed(f32: Callable[..., object], bf16: Callable[..., object], x: torch.Tensor) -> Callable[..., object]:
+    return bf16 if x.dtype == torch.bfloat16 else f32
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -161,7 +189,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows, width = x.shape
     out = torch.empty(rows, width, dtype=x.dtype)
     with _profiled("kernels.cpu.rms_norm"):
-        lib.rms_norm_f32(out.data_ptr(), x.data_ptr(), weight.data_ptr(), rows, width, x.stride(0), eps)
+        _typed(lib.rms_norm_f32, lib.rms_norm_bf16, x)(out.data_ptr(), x.data_ptr(), weight.data_ptr(), rows, width,
+                                                      x.stride(0), eps)
     return out
 
 
@@ -171,7 +200,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows, d = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, d, dtype=x.dtype)
     with _profiled("kernels.cpu.silu_and_mul"):
-        lib.silu_and_mul_f32(out.data_ptr(), x.data_ptr(), rows, d, x.stride(0))
+        _typed(lib.silu_and_mul_f32, lib.silu_and_mul_bf16, x)(out.data_ptr(), x.data_ptr(), rows, d, x.stride(0))
     return out
 
 
@@ -188,6 +217,7 @@ def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     if pos.shape != (tokens,):
         raise ValueError(f"positions must be [{tokens}], got {tuple(positions.shape)}")
     with _profiled("kernels.cpu.rotary_embedding"):
-        status = lib.rotary_embedding_f32(x.data_ptr(), pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens,
-                                          heads, head_dim, x.stride(0), cos.shape[0])
+        status = _typed(lib.rotary_embedding_f32, lib.rotary_embedding_bf16, x)(
+            x.data_ptr(), pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, x.stride(0),
+            cos.shape[0])
     _check(status)

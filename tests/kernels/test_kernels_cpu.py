@@ -55,6 +55,40 @@ def test_decode_reads_a_strided_query(seed: int) -> None:
                            max_abs_value(kv))
 
 
+@pytest.mark.parametrize("num_seqs", [1, 5])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("group", [1, 3])
+def test_decode_reads_a_bf16_cache(seed: int, num_seqs: int, block_size: int, group: int) -> None:
+    """bf16 query and caches, fp32 inside, the output rounded once to bf16: within bf16's rounding of the
+    float64 oracle (computed from the same bf16 values), and against the reference op (which gathers, attends
+    in fp32 and casts) at most one bf16 rounding apart."""
+    gen = torch.Generator().manual_seed(seed)
+    num_kv_heads, head_dim = 2, 64
+    lens = awkward_lengths(gen, num_seqs, max(block_size, 2), max_len=70) if num_seqs > 1 else [67]
+    kv = make_paged_kv(gen, lens, num_kv_heads, head_dim, block_size, torch.bfloat16, CPU)
+    query = torch.randn(num_seqs, num_kv_heads * group, head_dim, generator=gen).bfloat16()
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, head_dim**-0.5)
+    out = cpu.paged_attention_decode(*args)
+    assert out.shape == query.shape and out.dtype == torch.bfloat16
+    assert_attention_close(out, oracle_attention(query, kv, [1] * num_seqs, head_dim**-0.5), torch.bfloat16, seed,
+                           f"cpu bf16 decode group={group} block_size={block_size} seq_lens={lens}", max_abs_value(kv))
+    ref = reference.paged_attention_decode(*args).double()
+    assert ((out.double() - ref).abs() <= 2.0**-7 * ref.abs() + 1e-5 * max_abs_value(kv)).all()
+
+
+def test_cache_write_in_bf16_is_a_copy() -> None:
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(20, 6, 16, generator=gen).bfloat16()
+    key, value = qkv[:, :2], qkv[:, 4:]
+    slots = torch.randperm(10 * 4, generator=gen)[:20]
+    slots[::5] = -1
+    caches = [torch.randn(10, 4, 2, 16, generator=gen).bfloat16() for _ in range(2)]
+    got, want = [c.clone() for c in caches], [c.clone() for c in caches]
+    cpu.reshape_and_cache(key, value, *got, slots)
+    reference.reshape_and_cache(key, value, *want, slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("case", ["float16", "fp8", "head_dim 12"])
 def test_uncovered_cases_run_the_reference(case: str) -> None:
     gen = torch.Generator().manual_seed(0)
@@ -172,6 +206,55 @@ def test_rotary_embedding_rotates_in_place_like_the_formula(head_dim: int) -> No
         cpu.rotary_embedding(x, positions + 50, cos, sin)
 
 
+# bf16: the C ops round where the PyTorch formula in bf16 rounds. RoPE's products and sums of bf16 values
+# are the same fp32 operations, so it must match bit for bit. RMSNorm's sum of squares and SiLU's exp are
+# computed in another order / with another exp: an fp32 difference of a few ulps can move a result across
+# a bf16 rounding boundary, so those may differ by one bf16 ulp (<= 2^-7 relative), and rarely do.
+BF16_ULP = 2.0**-7
+
+
+def _within_one_bf16_ulp(got: torch.Tensor, want: torch.Tensor, what: str, atol: float = 0.0) -> None:
+    assert got.dtype == want.dtype == torch.bfloat16
+    err = (got.double() - want.double()).abs()
+    assert (err <= BF16_ULP * want.double().abs() + atol).all(), f"{what}: max |err| {err.max().item():.3g}"
+    assert (got == want).double().mean() > 0.99, f"{what}: more than 1% of the values differ from PyTorch's"
+
+
+@pytest.mark.parametrize("rows", [3, 1100])
+def test_bf16_rms_norm_rounds_as_the_formula(rows: int) -> None:
+    from engine_core.models.llama import RMSNorm
+
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 2 * 67, generator=gen)[:, :67] * 3).bfloat16()
+    norm = RMSNorm(torch.randn(67, generator=gen).bfloat16(), 1e-6)
+    _within_one_bf16_ulp(cpu.rms_norm(x, norm.weight, 1e-6), norm(x), f"bf16 rms_norm {rows}x67")
+
+
+def test_bf16_silu_and_mul_rounds_as_the_formula() -> None:
+    x = (torch.randn(300, 2 * 259, generator=torch.Generator().manual_seed(0)) * 6).bfloat16()
+    x[0, :4] = torch.tensor([-100.0, -87.5, 0.0, 90.0])
+    gate, up = x.chunk(2, dim=-1)
+    # exp8 gives 0 below -87.3 (vec8.h), where |silu(g)| < 88 e^-87.3 < 1e-36: PyTorch keeps those tiny values
+    _within_one_bf16_ulp(cpu.silu_and_mul(x), torch.nn.functional.silu(gate) * up, "bf16 silu_and_mul",
+                         atol=1e-36 * float(up.abs().max()))
+
+
+@pytest.mark.parametrize("head_dim", [64, 20])
+def test_bf16_rotary_embedding_matches_the_formula_bit_for_bit(head_dim: int) -> None:
+    from engine_core.models.llama import Rope
+
+    gen = torch.Generator().manual_seed(head_dim)
+    cos, sin = (torch.randn(50, head_dim // 2, generator=gen).bfloat16() for _ in range(2))
+    positions = torch.randint(0, 50, (7,), generator=gen)
+    qkv = torch.randn(7, 5, head_dim, generator=gen).bfloat16()
+    x = qkv[:, :3]
+    want = Rope(cos, sin, positions, None)(x.clone())
+    Rope(cos, sin, positions, cpu.rotary_embedding)(x)
+    assert torch.equal(x, want)
+
+
 def test_elementwise_ops_refuse_other_dtypes() -> None:
-    with pytest.raises(ValueError, match="fp32 CPU tensors"):
+    with pytest.raises(ValueError, match="fp32 or bf16 CPU tensors"):
         cpu.silu_and_mul(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="of one dtype"):
+        cpu.rms_norm(torch.randn(2, 8), torch.randn(8).bfloat16(), 1e-6)

@@ -47,17 +47,19 @@ def test_torch_backend_is_the_reference_exactly(monkeypatch: pytest.MonkeyPatch)
     assert kernels.kernel_ops("auto", q.device).paged_attention_decode is reference.paged_attention_decode
 
 
-def test_the_fused_elementwise_ops_come_with_the_cpu_backend_at_fp32_only() -> None:
+def test_the_fused_elementwise_ops_come_with_the_cpu_backend_at_fp32_and_bf16() -> None:
     """One place picks the step's kernels: the model reads its fused RMSNorm, SiLU-and-mul and RoPE from
-    the ops object (the C kernels exactly where they match Hugging Face: fp32 on the cpu backend)."""
+    the ops object (the C kernels exactly where they round as the model's formulas: fp32 and bf16 on the cpu
+    backend; fp16 and the torch backend keep the formulas)."""
     from kernels import cpu
     if cpu.load() is None:
         pytest.skip(f"the C kernels could not be built here: {cpu.load_error()}")
     device = torch.device("cpu")
-    fp32 = kernels.kernel_ops("cpu", device, torch.float32)
-    assert (fp32.rms_norm, fp32.silu_and_mul, fp32.rotary_embedding) == (cpu.rms_norm, cpu.silu_and_mul,
-                                                                         cpu.rotary_embedding)
-    for ops in (kernels.kernel_ops("cpu", device, torch.bfloat16), kernels.kernel_ops("torch", device, torch.float32)):
+    for dtype in (torch.float32, torch.bfloat16):
+        ops = kernels.kernel_ops("cpu", device, dtype)
+        assert (ops.rms_norm, ops.silu_and_mul, ops.rotary_embedding) == (cpu.rms_norm, cpu.silu_and_mul,
+                                                                          cpu.rotary_embedding), dtype
+    for ops in (kernels.kernel_ops("cpu", device, torch.float16), kernels.kernel_ops("torch", device, torch.float32)):
         assert (ops.rms_norm, ops.silu_and_mul, ops.rotary_embedding) == (None, None, None), ops.backend
 
 

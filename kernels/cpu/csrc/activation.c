@@ -19,3 +19,21 @@ void silu_and_mul_f32(float *out, const float *x, int64_t rows, int64_t d, int64
         for (int64_t j = body; j < d; j++) o[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
     }
 }
+
+/* bf16 rows in PyTorch's bf16 order: silu(g) in fp32 rounded to bf16, then its product with up rounded. */
+void silu_and_mul_bf16(bf16_t *out, const bf16_t *x, int64_t rows, int64_t d, int64_t x_stride) {
+    const int64_t body = d / 8 * 8;
+#pragma omp parallel for schedule(static) if (rows * d >= 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const bf16_t *gate = x + r * x_stride, *up = gate + d;
+        bf16_t *o = out + r * d;
+        for (int64_t j = 0; j < body; j += 8) {
+            const v8 g = bf16_load8(gate + j);
+            bf16_store8(o + j, bf16_round8(g / (1.0f + exp8(-g))) * bf16_load8(up + j));
+        }
+        for (int64_t j = body; j < d; j++) {
+            const float g = bf16_to_f32(gate[j]);
+            o[j] = f32_to_bf16(bf16_round(g / (1.0f + expf(-g))) * bf16_to_f32(up[j]));
+        }
+    }
+}

@@ -1,4 +1,4 @@
-/* Paged decode attention on CPU, fp32: one query row per sequence over its cached context.
+/* Paged decode attention on CPU, fp32 and bf16: one query row per sequence over its cached context.
  *
  * Reads the KV blocks in place through the block table (no gather copy). A work item is one
  * sequence and a run of its KV heads (all of them when there are enough sequences to keep every
@@ -13,6 +13,12 @@
  * a multiple of 8 (the caller checks), specialised at compile time for 16, 32, 64 and 128 so the
  * loops over it unroll. The next block's rows are prefetched while a block computes.
  *
+ * bf16 (query, caches and output all bf16): each K/V row is widened to fp32 as it is loaded (K once
+ * per row for its whole GQA group), and every score, probability, sum and accumulator is fp32 as in the
+ * fp32 kernel; only the output is rounded to bf16, as the reference does (it gathers the blocks, attends
+ * in fp32 and casts the result). A bf16 cache halves the bytes a step streams. The body is a textual
+ * template (paged_attention_decode.h) instantiated once per type.
+ *
  * Cache layout [num_blocks, block_size, num_kv_heads, head_dim], contiguous. Returns 0,
  * KERNELS_CPU_BAD_BLOCK when a block id a sequence needs lies outside [0, num_blocks), or
  * KERNELS_CPU_SHORT_TABLE when a sequence needs more blocks than its table row has (nothing is read
@@ -25,129 +31,23 @@
 
 #define KERNELS_CPU_BAD_BLOCK 1
 #define KERNELS_CPU_SHORT_TABLE 3
+#define PARALLEL_MIN_WORK 8192 /* (context token, query head) pairs: ~1 MFLOP at head_dim 64 */
 
-/* Query heads h0 * group .. h1 * group of one sequence (out and q point at head h0 * group); nv =
- * head_dim / 8. */
-static inline __attribute__((always_inline)) int attend_heads(
-    float *out, const float *q, int64_t q_head_stride, const float *key_cache, const float *value_cache,
-    const int32_t *table, int64_t table_width, int64_t seq_len, int64_t h0, int64_t h1, int64_t group,
-    int64_t num_kv_heads, const int64_t nv, int64_t block_size, int64_t num_blocks, float scale) {
-    const int64_t head_dim = 8 * nv, nh = h1 - h0, nq = nh * group, token_stride = num_kv_heads * head_dim;
-    const int64_t padded = (block_size + 7) / 8 * 8;
-    v8 qv[nq][nv], acc[nq][nv], pv[nq][padded / 8]; /* pv: a block's scores, then its probabilities */
-    float(*p)[padded] = (float(*)[padded])pv, m[nq], l[nq];
-    for (int64_t i = 0; i < nq; i++) {
-        for (int64_t j = 0; j < nv; j++) {
-            qv[i][j] = ((const v8u *)(q + i * q_head_stride))[j] * scale;
-            acc[i][j] = (v8){0};
-        }
-        for (int64_t t = 0; t < padded; t++) p[i][t] = -INFINITY;
-        m[i] = -INFINITY;
-        l[i] = 0.0f;
-    }
-    if (seq_len > table_width * block_size) return KERNELS_CPU_SHORT_TABLE;
-    for (int64_t start = 0; start < seq_len; start += block_size) {
-        const int64_t block = table[start / block_size];
-        if (block < 0 || block >= num_blocks) return KERNELS_CPU_BAD_BLOCK;
-        const int64_t n = seq_len - start < block_size ? seq_len - start : block_size;
-        const int64_t base = block * block_size * token_stride + h0 * head_dim;
-        /* Blocks sit anywhere in the cache, so the hardware prefetcher cannot guess the next one: ask
-         * for its rows of heads [h0, h1) a token at a time while this block's scores compute. */
-        const int64_t next = start + block_size < seq_len ? table[start / block_size + 1] : -1;
-        const int64_t next_base = next >= 0 && next < num_blocks ? next * block_size * token_stride + h0 * head_dim : -1;
-        for (int64_t t = 0; t < n; t++) {
-            if (next_base >= 0)
-                for (int64_t x = 0; x < nh * head_dim; x += 16) {
-                    __builtin_prefetch(key_cache + next_base + t * token_stride + x);
-                    __builtin_prefetch(value_cache + next_base + t * token_stride + x);
-                }
-            for (int64_t h = 0; h < nh; h++) {
-                const v8u *k = (const v8u *)(key_cache + base + t * token_stride + h * head_dim);
-                for (int64_t g = 0; g < group; g++) {
-                    const v8 *qi = qv[h * group + g];
-                    v8 s = qi[0] * k[0];
-                    for (int64_t j = 1; j < nv; j++) s += qi[j] * k[j];
-                    p[h * group + g][t] = hsum(s);
-                }
-            }
-        }
-        for (int64_t i = 0; i < nq; i++) {
-            v8 *pi = pv[i];
-            if (n < padded)
-                for (int64_t t = n; t < padded; t++) p[i][t] = -INFINITY; /* a short last block */
-            v8 mx = pi[0];
-            for (int64_t c = 1; c < padded / 8; c++) mx = vmax(mx, pi[c]);
-            float m_new = m[i];
-            for (int k = 0; k < 8; k++) m_new = mx[k] > m_new ? mx[k] : m_new;
-            const float alpha = expf(m[i] - m_new); /* 0 on the first block, where m = -inf */
-            v8 sum = (v8){0};
-            for (int64_t c = 0; c < padded / 8; c++) {
-                pi[c] = exp8(pi[c] - m_new);
-                sum += pi[c];
-            }
-            l[i] = l[i] * alpha + hsum(sum);
-            m[i] = m_new;
-            for (int64_t j = 0; j < nv; j++) acc[i][j] *= alpha;
-        }
-        for (int64_t h = 0; h < nh; h++) {
-            const float *v = value_cache + base + h * head_dim;
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t i = h * group + g;
-                for (int64_t j = 0; j < nv; j++) {
-                    v8 a = acc[i][j];
-                    for (int64_t t = 0; t < n; t++) a += p[i][t] * ((const v8u *)(v + t * token_stride))[j];
-                    acc[i][j] = a;
-                }
-            }
-        }
-    }
-    for (int64_t i = 0; i < nq; i++) {
-        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-        for (int64_t j = 0; j < nv; j++) ((v8u *)(out + i * head_dim))[j] = acc[i][j] * inv;
-    }
-    return 0;
-}
+#define T float
+#define FN(name) name##_f32
+#define LOAD8(ptr) (*(const v8u *)(ptr))
+#define STORE8(ptr, v) (*(v8u *)(ptr) = (v))
+#define KV_BF16 0
+#include "paged_attention_decode.h"
+#undef T
+#undef FN
+#undef LOAD8
+#undef STORE8
+#undef KV_BF16
 
-#define ATTEND(NV)                                                                                            \
-    attend_heads(out, q, q_head_stride, key_cache, value_cache, table, table_width, seq_len, h0, h1, group,   \
-                 num_kv_heads, NV, block_size, num_blocks, scale)
-
-static int attend(float *out, const float *q, int64_t q_head_stride, const float *key_cache,
-                  const float *value_cache, const int32_t *table, int64_t table_width, int64_t seq_len, int64_t h0,
-                  int64_t h1, int64_t group, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                  int64_t num_blocks, float scale) {
-    switch (head_dim) {
-        case 16: return ATTEND(2);
-        case 32: return ATTEND(4);
-        case 64: return ATTEND(8);
-        case 128: return ATTEND(16);
-        default: return ATTEND(head_dim / 8);
-    }
-}
-
-/* out [num_seqs, num_heads, head_dim] contiguous; query rows at q_seq_stride / q_head_stride (head_dim
- * contiguous); block_tables [num_seqs, table_width] int32 with row stride table_stride; seq_lens int32;
- * head_splits: how many runs each sequence's KV heads are cut into (1 .. num_kv_heads). */
-int paged_attention_decode_f32(float *out, const float *query, const float *key_cache, const float *value_cache,
-                               const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
-                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                               int64_t num_blocks, int64_t q_seq_stride, int64_t q_head_stride,
-                               int64_t table_stride, int64_t table_width, int64_t head_splits, float scale) {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t items = num_seqs * head_splits;
-    int status = 0;
-#pragma omp parallel for schedule(dynamic, 1) if (items > 1)
-    for (int64_t i = 0; i < items; i++) {
-        const int64_t s = i / head_splits, part = i % head_splits;
-        const int64_t h0 = num_kv_heads * part / head_splits, h1 = num_kv_heads * (part + 1) / head_splits;
-        const int rc = attend(out + (s * num_heads + h0 * group) * head_dim,
-                              query + s * q_seq_stride + h0 * group * q_head_stride, q_head_stride, key_cache,
-                              value_cache, block_tables + s * table_stride, table_width, seq_lens[s], h0, h1, group,
-                              num_kv_heads, head_dim, block_size, num_blocks, scale);
-        if (rc) {
-#pragma omp atomic write
-            status = rc;
-        }
-    }
-    return status;
-}
+#define T bf16_t
+#define FN(name) name##_bf16
+#define LOAD8(ptr) bf16_load8(ptr)
+#define STORE8(ptr, v) bf16_store8((ptr), (v))
+#define KV_BF16 1
+#include "paged_attention_decode.h"

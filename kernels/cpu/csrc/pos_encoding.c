@@ -40,3 +40,37 @@ int rotary_embedding_f32(float *x, const int64_t *positions, const float *cos, c
     }
     return status;
 }
+
+/* bf16 x and tables, in the PyTorch formula's bf16 order: every product rounded to bf16, then the
+ * sum or difference rounded: x1 <- bf16(bf16(x1 c) - bf16(x2 s)), x2 <- bf16(bf16(x2 c) + bf16(x1 s)). */
+int rotary_embedding_bf16(bf16_t *x, const int64_t *positions, const bf16_t *cos, const bf16_t *sin, int64_t tokens,
+                          int64_t heads, int64_t head_dim, int64_t token_stride, int64_t max_positions) {
+    const int64_t half = head_dim / 2, body = half / 8 * 8;
+    int status = 0;
+#pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= 65536)
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t pos = positions[t];
+        if (pos < 0 || pos >= max_positions) {
+#pragma omp atomic write
+            status = KERNELS_CPU_BAD_POSITION;
+            continue;
+        }
+        const bf16_t *c = cos + pos * half, *s = sin + pos * half;
+        for (int64_t h = 0; h < heads; h++) {
+            bf16_t *x1 = x + t * token_stride + h * head_dim, *x2 = x1 + half;
+            for (int64_t j = 0; j < body; j += 8) {
+                const v8 a = bf16_load8(x1 + j), b = bf16_load8(x2 + j);
+                const v8 cj = bf16_load8(c + j), sj = bf16_load8(s + j);
+                bf16_store8(x1 + j, bf16_round8(a * cj) - bf16_round8(b * sj));
+                bf16_store8(x2 + j, bf16_round8(b * cj) + bf16_round8(a * sj));
+            }
+            for (int64_t j = body; j < half; j++) {
+                const float a = bf16_to_f32(x1[j]), b = bf16_to_f32(x2[j]);
+                const float cj = bf16_to_f32(c[j]), sj = bf16_to_f32(s[j]);
+                x1[j] = f32_to_bf16(bf16_round(a * cj) - bf16_round(b * sj));
+                x2[j] = f32_to_bf16(bf16_round(b * cj) + bf16_round(a * sj));
+            }
+        }
+    }
+    return status;
+}

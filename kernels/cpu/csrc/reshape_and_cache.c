@@ -1,4 +1,5 @@
-/* Write each token's K and V rows into the paged caches at its slot, fp32; slot -1 is skipped.
+/* Write each token's K and V rows into the paged caches at its slot, fp32 or bf16 (a copy of
+ * elem_size-byte values); slot -1 is skipped.
  *
  * One call per layer replaces the mask, the boolean selects and the two index_put calls of the
  * PyTorch version. Rows are read through strides (K and V are usually views into one fused QKV
@@ -10,11 +11,11 @@
 
 #define KERNELS_CPU_BAD_SLOT 2
 
-int reshape_and_cache_f32(const float *key, const float *value, float *key_cache, float *value_cache,
-                          const int64_t *slot_mapping, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t num_slots, int64_t k_token_stride, int64_t k_head_stride, int64_t v_token_stride,
-                          int64_t v_head_stride) {
-    const size_t row = sizeof(float) * head_dim;
+int reshape_and_cache(const char *key, const char *value, char *key_cache, char *value_cache,
+                      const int64_t *slot_mapping, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim,
+                      int64_t num_slots, int64_t k_token_stride, int64_t k_head_stride, int64_t v_token_stride,
+                      int64_t v_head_stride, int64_t elem_size) {
+    const size_t row = elem_size * head_dim;
     int status = 0;
 #pragma omp parallel for schedule(static) if (num_tokens >= 256)
     for (int64_t t = 0; t < num_tokens; t++) {
@@ -25,11 +26,11 @@ int reshape_and_cache_f32(const float *key, const float *value, float *key_cache
             status = KERNELS_CPU_BAD_SLOT;
             continue;
         }
-        float *k_dst = key_cache + slot * num_kv_heads * head_dim;
-        float *v_dst = value_cache + slot * num_kv_heads * head_dim;
+        char *k_dst = key_cache + slot * num_kv_heads * row;
+        char *v_dst = value_cache + slot * num_kv_heads * row;
         for (int64_t h = 0; h < num_kv_heads; h++) {
-            memcpy(k_dst + h * head_dim, key + t * k_token_stride + h * k_head_stride, row);
-            memcpy(v_dst + h * head_dim, value + t * v_token_stride + h * v_head_stride, row);
+            memcpy(k_dst + h * row, key + (t * k_token_stride + h * k_head_stride) * elem_size, row);
+            memcpy(v_dst + h * row, value + (t * v_token_stride + h * v_head_stride) * elem_size, row);
         }
     }
     return status;

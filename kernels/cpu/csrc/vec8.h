@@ -1,5 +1,7 @@
 /* 8-float vectors as GCC vector extensions (AVX, or two SSE/NEON registers; no intrinsics) and
- * the few vector helpers the kernels share. */
+ * the few vector helpers the kernels share, bf16 loads and stores among them (bf16 is the top half
+ * of an fp32: a load shifts it up, a store rounds to nearest even, NaN to the quiet 0x7fc0, as
+ * c10::BFloat16 does, so a C kernel rounds bit for bit as a PyTorch bf16 op). */
 #ifndef KERNELS_CPU_VEC8_H
 #define KERNELS_CPU_VEC8_H
 
@@ -37,5 +39,39 @@ static inline v8 exp8(v8 x) {
     p = p * r * r + r + 1.0f;
     return (v8)(~under & (v8i)(p * (v8)((n + 127) << 23)));
 }
+
+typedef uint32_t v8ui __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint16_t v8hu __attribute__((vector_size(16), aligned(2), may_alias)); /* unaligned bf16 x 8 */
+typedef uint16_t bf16_t;
+
+static inline v8ui vselect_u(v8i mask, v8ui a, v8ui b) { return ((v8ui)mask & a) | (~(v8ui)mask & b); }
+
+static inline v8 bf16_load8(const bf16_t *p) { return (v8)(__builtin_convertvector(*(const v8hu *)p, v8ui) << 16); }
+
+/* v's bits rounded to bf16's (round to nearest even; NaN -> 0x7fc0), still 32 bits wide. */
+static inline v8ui bf16_bits8(v8 v) {
+    const v8ui u = (v8ui)v;
+    const v8ui r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (v8ui)vselect_u((v8i)(v != v), (v8ui){0} + 0x7fc0u, r);
+}
+
+static inline void bf16_store8(bf16_t *p, v8 v) { *(v8hu *)p = __builtin_convertvector(bf16_bits8(v), v8h); }
+
+/* v rounded to bf16 and widened back: what a PyTorch bf16 op's result holds. */
+static inline v8 bf16_round8(v8 v) { return (v8)(bf16_bits8(v) << 16); }
+
+static inline float bf16_to_f32(bf16_t h) {
+    union { uint32_t u; float f; } c = {.u = (uint32_t)h << 16};
+    return c.f;
+}
+
+static inline bf16_t f32_to_bf16(float f) {
+    union { float f; uint32_t u; } c = {.f = f};
+    if (f != f) return 0x7fc0;
+    return (bf16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_round(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 #endif
