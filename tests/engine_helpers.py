@@ -2,6 +2,7 @@
 interrupt injector that raises KeyboardInterrupt at the n-th line the engine executes."""
 from __future__ import annotations
 
+import random
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 import torch
 from grader.harness import check_invariants
 
-from engine_core import LLMEngine
+from engine_core import LLMEngine, SamplingParams
 
 ENGINE_DIR = Path(__file__).resolve().parent.parent / "engine_core"
 # The machinery that makes a step atomic: an async exception inside it is what it prevents.
@@ -118,3 +119,11 @@ def interrupt_at(n: int | None, functions: set[str] | None = None,
         yield seen
     finally:
         sys.settrace(previous)
+
+
+# The end-to-end workload of the preemption suites (tests/core/test_preemption.py, tests/engine/test_fp8_engine.py):
+# tiny-llama, 10 random prompts of 4 to 39 tokens, greedy, 8 to 23 new tokens each.
+E2E_RNG = random.Random(1)
+E2E_PROMPTS = [[E2E_RNG.randrange(3, 512) for _ in range(E2E_RNG.randrange(4, 40))] for _ in range(10)]
+E2E_PARAMS = [SamplingParams(max_tokens=E2E_RNG.randrange(8, 24), temperature=0.0, ignore_eos=True)
+              for _ in E2E_PROMPTS]

@@ -5,6 +5,7 @@ import pytest
 from grader.harness import EOS, TINY_SPEC, FakeRunner, make_request, make_scheduler, reference_output, run_to_completion
 
 from engine_core import memory
+from engine_helpers import E2E_PARAMS, E2E_PROMPTS
 from engine_core.request import RequestStatus, SamplingParams
 from engine_core.core.scheduler_output import SchedulerOutput
 
@@ -155,10 +156,6 @@ def test_outputs_under_memory_pressure_equal_those_with_plenty_of_blocks(mode, p
 
 
 # ---- end to end: the real engine (tiny-llama preset, random weights) ---------------------------
-E2E_RNG = random.Random(1)
-E2E_PROMPTS = [[E2E_RNG.randrange(3, 512) for _ in range(E2E_RNG.randrange(4, 40))] for _ in range(10)]
-E2E_PARAMS = [SamplingParams(max_tokens=E2E_RNG.randrange(8, 24), temperature=0.0, ignore_eos=True)
-              for _ in E2E_PROMPTS]
 
 
 def generate(**engine_args):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from test_engine_hf import NUM_NEW, PRESETS, make_prompts
+from hf_helpers import NUM_NEW, PRESETS, make_prompts
 
 from engine_core import LLM, SamplingParams
 from engine_core.presets import preset_path

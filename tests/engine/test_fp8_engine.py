@@ -197,7 +197,7 @@ def test_same_memory_budget_holds_more_fp8_blocks(model_dtype, ratio):
 
 # ---- prefix caching, swap and recompute work unchanged with fp8 --------------------------------------
 def _generate_fp8(scales_file, **engine_args):
-    from test_preemption import E2E_PARAMS, E2E_PROMPTS
+    from engine_helpers import E2E_PARAMS, E2E_PROMPTS
 
     llm = LLM(model="tiny-llama", block_size=4, max_model_len=128, max_num_batched_tokens=32, kv_cache_dtype="fp8",
               kv_cache_scales=str(scales_file), **engine_args)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lora_helpers import NUM_NEW, hf_greedy, make_prompts, peft_model
-from test_engine_hf import assert_matches_hf
+from hf_helpers import assert_matches_hf
 
 from engine_core import LLM, LoRARequest, SamplingParams
 from engine_core.lora.presets import ADAPTER_PRESETS, adapter_path
