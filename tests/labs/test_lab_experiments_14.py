@@ -36,11 +36,12 @@ def test_slow_engine_rejects_unknown_seams():
             pass
 
 
-def _speedup_passes(student) -> bool:
+def _speedup_passes(student) -> bool | str:
+    """True, or the message of the target the run missed."""
     try:
         lab14.test_engine_speedup_over_the_slow_engine(student)
-    except AssertionError:
-        return False
+    except AssertionError as exc:
+        return str(exc).splitlines()[0]
     return True
 
 
@@ -51,4 +52,6 @@ def test_speedup_target_under_a_cpu_hog():
         "    from grader.slow_engine import variants\n    return variants.write_kv(self, key, value, kv)\n"
         "    self.ops.reshape_and_cache(key, value, kv.key_cache, kv.value_cache, self.meta.slot_mapping,\n")])
     with cpu_hog():
-        assert (_speedup_passes(solution), _speedup_passes(partial)) == (True, False)
+        solution_passes, partial_passes = _speedup_passes(solution), _speedup_passes(partial)
+    assert solution_passes is True, f"the solution misses the speedup target under a CPU hog: {solution_passes}"
+    assert partial_passes is not True, "a fix that leaves the per-token KV write in place meets the speedup target"
