@@ -219,7 +219,8 @@ class LLMEngine:
         before = self.scheduler.make_stats()
         scheduler_output = self.scheduler.schedule()
         model_runner_output = self.executor.execute_model(scheduler_output)
-        self.scheduler.counters.max_batches_in_flight = 1
+        counters = self.scheduler.counters
+        counters.max_batches_in_flight = max(counters.max_batches_in_flight, 1)
         return self._apply_output(t0, before, scheduler_output, model_runner_output, len(scheduler_output.scheduled))
 
     def _step_with_batch_queue(self) -> list[RequestOutput]:
