@@ -3,15 +3,29 @@ scheduled steps in flight, so stage 0 runs step n + 1 while stage 1 runs step n.
 than one batch (a 16-token budget), so the queue fills: `max_batches_in_flight` reaches 2. The greedy
 tokens equal one process's under chunked prefill, prefix caching and recompute preemption, with and
 without the queue; a worker killed while batches are in flight ends the engine with a clear error and
-leaves no process (last test: it stops this file's engine)."""
+leaves no process (it stops this file's engine), and a stage that hangs with batches in flight times out."""
 from __future__ import annotations
+
+import time
 
 import pytest
 
+from engine_core import LLM
 from engine_core.distributed.multiproc_executor import EngineDeadError
 from parallel_helpers import STRESS, child_processes, engine_pair, generate_tokens, stress_prompts
 
 pytestmark = pytest.mark.timeout(600)
+
+
+def hang_execute_on_last_stage(runner) -> None:
+    """Make the last stage's next forwards sleep (the workers run it through collective_rpc)."""
+    if runner.parallel.pp.is_last_rank:
+        forward = runner.execute_model
+
+        def slow(scheduler_output):
+            time.sleep(60)
+            return forward(scheduler_output)
+        runner.execute_model = slow
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +70,20 @@ def test_a_killed_worker_with_batches_in_flight_stops_the_engine(engines):
     assert not child_processes() and not engine.batch_queue
     with pytest.raises(EngineDeadError):  # and says so again on every later call
         engine.step()
+
+
+def test_a_hung_stage_with_batches_in_flight_times_out():
+    llm = LLM("tiny-llama", pipeline_parallel_size=2, **STRESS)
+    engine = llm.engine
+    engine.executor.collective_rpc(hang_execute_on_last_stage)
+    engine.executor.step_timeout_s = 2.0
+    for i, p in enumerate(stress_prompts(engine.vocab_size)):
+        engine.add_request(f"h{i}", p)
+    t0 = time.perf_counter()
+    # stage 0 waits too: its send of the hidden state returns once stage 1 receives it (gloo)
+    with pytest.raises(EngineDeadError, match=r"execute_model: no reply from worker\(s\) \[(0, )?1\] within 2 s"):
+        for _ in range(10):
+            engine.step()
+    assert engine.stats()["max_batches_in_flight"] == 2  # the second batch was sent before the first timed out
+    assert time.perf_counter() - t0 < 10
+    assert not child_processes()
