@@ -22,6 +22,13 @@ The model runs behind an executor (engine_core.distributed): in this process
 (`UniProcExecutor`, `self.runner` is its runner) or sharded over tensor_parallel_size x
 pipeline_parallel_size worker processes (`MultiprocExecutor`; `self.runner` is None). `shutdown()`
 stops the workers; garbage collection and interpreter exit do too.
+
+With pipeline_parallel_size = p > 1 a step is vLLM v1's `step_with_batch_queue`: the engine keeps up to
+p scheduled steps in flight (`batch_queue`), so stage 0 runs step n + 1 while stage 1 runs step n. A
+step schedules a new batch when the queue has room (from requests not in flight: `Scheduler.in_flight`)
+and sends it without waiting; when the queue is full, or nothing new could be scheduled, it waits for
+the oldest batch and applies its output (`update_from_output`, in the order the batches were sent).
+A step that only schedules returns no outputs. With p = 1 a step is the three calls in a row.
 """
 from __future__ import annotations
 
@@ -33,6 +40,7 @@ from typing import Any
 from engine_core.config import EngineConfig, KVCacheConfig, ResolvedConfig
 from engine_core.core.cost_model import PreemptionCostModel
 from engine_core.core.scheduler import Scheduler
+from engine_core.core.scheduler_output import SchedulerOutput
 from engine_core.distributed.abstract import Executor
 from engine_core.distributed.executor import UniProcExecutor, get_executor_class
 from engine_core.guard import ThreadGuard, guarded
@@ -69,6 +77,9 @@ class LLMEngine:
         self.num_aborted = 0  # requests aborted so far: LLM.generate notices aborts made elsewhere
         self._pending_aborts: deque[str] = deque()  # abort_request while busy: applied at a step boundary
         self._report_stragglers = False  # a step failed: finished requests it did not report are in self.requests
+        # vLLM's batch queue: (pending call, its SchedulerOutput) of the steps in flight, oldest first
+        self.batch_queue_size = self.executor.max_concurrent_batches
+        self.batch_queue: deque[tuple[Any, SchedulerOutput]] = deque()
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "LLMEngine":
@@ -196,7 +207,7 @@ class LLMEngine:
         propagates, its outputs unreturned; the next step reports requests it had finished."""
         self._apply_pending_aborts()
         try:
-            outputs = self._step()
+            outputs = self._step() if self.batch_queue_size == 1 else self._step_with_batch_queue()
         except BaseException:
             self._recover()
             raise
@@ -208,6 +219,35 @@ class LLMEngine:
         before = self.scheduler.make_stats()
         scheduler_output = self.scheduler.schedule()
         model_runner_output = self.executor.execute_model(scheduler_output)
+        counters = self.scheduler.counters
+        counters.max_batches_in_flight = max(counters.max_batches_in_flight, 1)
+        return self._apply_output(t0, before, scheduler_output, model_runner_output, len(scheduler_output.scheduled))
+
+    def _step_with_batch_queue(self) -> list[RequestOutput]:
+        """Schedule and send a batch if the queue has room; else, or if nothing could be scheduled, wait
+        for the oldest batch in flight and apply its output (vLLM v1's `EngineCore.step_with_batch_queue`)."""
+        t0 = time.perf_counter()
+        before = self.scheduler.make_stats()
+        num_scheduled = 0
+        if len(self.batch_queue) < self.batch_queue_size:
+            so = self.scheduler.schedule()
+            num_scheduled = len(so.scheduled)
+            if so.scheduled or so.finished_req_ids or so.preempted_request_ids or so.swap_out or so.swap_in:
+                self.batch_queue.append((self.executor.execute_model(so, non_block=True), so))
+                self.scheduler.in_flight.update(c.request.request_id for c in so.scheduled)
+                counters = self.scheduler.counters
+                counters.max_batches_in_flight = max(counters.max_batches_in_flight, len(self.batch_queue))
+        if num_scheduled and len(self.batch_queue) < self.batch_queue_size or not self.batch_queue:
+            self.scheduler.counters.step_time_s += time.perf_counter() - t0
+            return []
+        pending, so = self.batch_queue.popleft()
+        model_runner_output = pending.result()
+        self.scheduler.in_flight.difference_update(c.request.request_id for c in so.scheduled)
+        return self._apply_output(t0, before, so, model_runner_output, len(so.scheduled))
+
+    def _apply_output(self, t0: float, before: Any, scheduler_output: SchedulerOutput,
+                      model_runner_output: Any, num_scheduled: int) -> list[RequestOutput]:
+        """`update_from_output`, then the step's outputs and counters."""
         reported = self.scheduler.update_from_output(scheduler_output, model_runner_output)
         if self._report_stragglers:  # finished by a failed step, not yet reported
             self._report_stragglers = False
@@ -217,7 +257,7 @@ class LLMEngine:
         counters = self.scheduler.counters
         counters.num_steps += 1
         counters.step_time_s += time.perf_counter() - t0
-        self.last_step = StepInfo.between(before, self.scheduler.make_stats(), len(scheduler_output.scheduled))
+        self.last_step = StepInfo.between(before, self.scheduler.make_stats(), num_scheduled)
         for rid in finished:  # last: a request leaves self.requests when its final output is returned
             self.requests.pop(rid, None)
         return outputs
@@ -226,6 +266,8 @@ class LLMEngine:
         """After a step raised part-way: every unfinished request requeued to be recomputed, holding no
         blocks (Scheduler.requeue_for_recompute), the runner's block tables and adapter slots forgotten to
         match, and the requests the step finished but did not report left for the next step to report."""
+        self.batch_queue.clear()  # forget_all_requests reads the replies still in flight first
+        self.scheduler.in_flight.clear()
         self.scheduler.requeue_for_recompute()
         self.executor.forget_all_requests()
         self.scheduler.counters.num_failed_steps += 1

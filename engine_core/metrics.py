@@ -84,6 +84,8 @@ class Stats:
     num_failed_requests: int = _stat("of those, requests finished with an error (finish_reason 'error')")
     num_failed_steps: int = _stat("steps that raised and were rolled back (their requests recomputed)")
     num_steps: int = _stat("engine steps run")
+    max_batches_in_flight: int = _stat("most scheduled steps in flight at once: up to pipeline_parallel_size with "
+                                       "the batch queue, 1 otherwise (0 before the first step)")
     num_generated_tokens: int = _stat("tokens sampled and appended to a request's output, each request's first "
                                       "included", "vllm:generation_tokens_total")
     step_time_s: float = _stat("wall seconds spent in engine steps", default=0.0)

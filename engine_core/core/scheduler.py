@@ -29,7 +29,7 @@ in it is verified.
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 from engine_core import memory
 from engine_core.config import KVCacheConfig, ResolvedConfig
@@ -67,6 +67,9 @@ class Scheduler:
         # request id -> (its block table list, blocks of it the runner has): to hand over only new block ids
         self._sent_tables: dict[str, tuple[list[KVCacheBlock], int]] = {}
         self.finished_req_ids: set[str] = set()  # finished or aborted since the last schedule(): the runner forgets them
+        # ids of requests in a scheduled step whose output has not been applied yet: the engine's batch queue
+        # (pipeline_parallel_size > 1) fills it; empty otherwise
+        self.in_flight: set[str] = set()
         spec = self.config.speculative_config
         self.proposer = None if spec is None else NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
                                                                  spec.num_speculative_tokens)
@@ -113,12 +116,30 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """The step's one message: the chunks and KV copies `_schedule_tokens` plans, plus the requests
-        finished or aborted since the last step, which the runner forgets before running it."""
-        out = self._schedule_tokens()
+        finished or aborted since the last step, which the runner forgets before running it. Running
+        requests `in_flight` are left out of the plan (`_without_in_flight`)."""
+        out = self._without_in_flight(self._schedule_tokens) if self.in_flight else self._schedule_tokens()
         if self.proposer is not None:
             self._schedule_drafts(out)
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return out
+
+    def _without_in_flight(self, plan: Callable[[], SchedulerOutput]) -> SchedulerOutput:
+        """`plan()` with the running requests in flight hidden from it (vLLM's batch queue): their next
+        tokens depend on the output not yet back, so they are neither scheduled nor chosen to be preempted
+        (their KV is being written), and they keep their seats (max_num_seqs) and their place in `running`."""
+        everyone = self.running
+        held = [r for r in everyone if r.request_id in self.in_flight]
+        self.running = [r for r in everyone if r.request_id not in self.in_flight]
+        self.max_num_seqs -= len(held)
+        try:
+            return plan()
+        finally:
+            self.max_num_seqs += len(held)
+            kept = {id(r) for r in [*self.running, *held]}
+            before = {id(r) for r in everyone}
+            self.running = ([r for r in everyone if id(r) in kept]
+                            + [r for r in self.running if id(r) not in before])
 
     # seam: lab 10 (grader/seams.py)
     def _schedule_drafts(self, out: SchedulerOutput) -> None:

@@ -4,7 +4,8 @@ sharded over worker processes (vLLM v1's `Executor`, `UniProcExecutor`, `Multipr
 The engine owns the one scheduler and talks to the model only through these calls:
 `determine_kv_cache_config()` (the smallest of the ranks' block counts, so every rank holds every block
 id the scheduler hands out), `initialize_kv_cache(config)`, `execute_model(scheduler_output)` ->
-`ModelRunnerOutput`, `forget_all_requests()` (after a failed step), `collective_rpc(fn)` (a function of
+`ModelRunnerOutput` (with `non_block=True`, where `max_concurrent_batches` > 1: a pending call whose
+`result()` is it), `forget_all_requests()` (after a failed step), `collective_rpc(fn)` (a function of
 the runner on every rank) and `shutdown()`.
 """
 from __future__ import annotations
@@ -21,6 +22,8 @@ class Executor:
     """The interface (`executor.get_executor_class(config)` picks the implementation)."""
 
     lora: LoRAManager | None = None  # the runner's adapters (in the engine's process only)
+    # steps the engine may keep in flight (vLLM's batch queue): pipeline_parallel_size with worker processes
+    max_concurrent_batches: int = 1
 
     def determine_kv_cache_config(self) -> KVCacheConfig:
         raise NotImplementedError

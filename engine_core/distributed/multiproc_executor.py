@@ -8,6 +8,12 @@ sent stage to stage), and the last stage's TP rank 0 samples: its `ModelRunnerOu
 The engine waits for every rank's reply (the others reply None), so a rank that fails is noticed in
 the step it fails.
 
+With pipeline_parallel_size = p > 1 (`max_concurrent_batches` = p) the engine may keep up to p steps in
+flight (vLLM v1's batch queue): `execute_model(so, non_block=True)` sends the step and returns a
+`PendingCall` at once; stage 0 starts the next step while stage 1 still runs this one. Each pipe is
+FIFO, so the replies of the calls in flight are read in the order the calls were sent: a call's
+`result()` first reads the replies of every older call, and a blocking call (`_call`) reads them all.
+
 Failure: a worker that raises (its traceback comes back), dies (its process sentinel fires) or does
 not reply within `step_timeout_s` stops every worker and raises `EngineDeadError` naming the rank;
 every later call raises it again. `shutdown()`, garbage collection of the executor and interpreter
@@ -30,6 +36,7 @@ import socket
 import threading
 import time
 import weakref
+from collections import deque
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any, Callable
 
@@ -113,6 +120,8 @@ class MultiprocExecutor(Executor):
         self.step_timeout_s = STEP_TIMEOUT_S
         self._dead: str | None = None
         self._comm: list[dict[str, float]] = [{} for _ in range(self.world_size)]
+        self.max_concurrent_batches = e.pipeline_parallel_size  # one step per stage can be in flight
+        self._in_flight: deque[PendingCall] = deque()  # sent, replies not read yet, oldest first
         context = mp.get_context("spawn")
         init_method = "env://" if e.nnodes > 1 else f"tcp://127.0.0.1:{free_port()}"
         self.procs: list[Any] = [None] * self.world_size  # None: a rank on another node
@@ -173,8 +182,12 @@ class MultiprocExecutor(Executor):
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self._call("initialize_kv_cache", (kv_cache_config,))
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute_model", (scheduler_output,))[self.output_rank]
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> "ModelRunnerOutput | PendingCall":
+        """The step's output; with `non_block`, a `PendingCall` whose `result()` is it (the engine's batch queue)."""
+        pending = self._send("execute_model", (scheduler_output,), every_rank_replies=False)
+        pending.output_rank = self.output_rank
+        return pending if non_block else pending.result()
 
     def forget_all_requests(self) -> None:
         if self._dead is None:  # after a worker failure there is nothing left to forget
@@ -196,20 +209,41 @@ class MultiprocExecutor(Executor):
 
     # ---- messages ------------------------------------------------------------------------
     def _call(self, method: str | Callable[..., Any], args: tuple, every_rank_replies: bool = False) -> list[Any]:
+        return self._send(method, args, every_rank_replies).result(every_rank=True)
+
+    def _send(self, method: str | Callable[..., Any], args: tuple, every_rank_replies: bool) -> "PendingCall":
+        """The call's bytes down every pipe; its replies are read by `PendingCall.result()`."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
         data = pickle.dumps((method, args, every_rank_replies))
+        pending = PendingCall(self, name)
+        self._guarded(name, lambda: self._send_bytes(name, data))
+        self._in_flight.append(pending)
+        return pending
+
+    def _send_bytes(self, name: str, data: bytes) -> None:
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(data)
+            except (BrokenPipeError, OSError):
+                self._fail(f"{name}: {self._death(rank)}")
+
+    def _read_until(self, pending: "PendingCall") -> None:
+        """Read the replies of every call in flight up to and including `pending`, oldest first."""
+        while not pending.done:
+            oldest = self._in_flight.popleft()
+            oldest.results = self._guarded(oldest.name, lambda: self._replies(oldest.name, self.step_timeout_s))
+            oldest.done = True
+
+    def _guarded(self, name: str, fn: Callable[[], Any]) -> Any:
+        """`fn()`; interrupted while the ranks work, the executor stops them (their replies would answer
+        the next call)."""
         try:
-            for rank, conn in enumerate(self.conns):
-                try:
-                    conn.send_bytes(data)
-                except (BrokenPipeError, OSError):
-                    self._fail(f"{name}: {self._death(rank)}")
-            return self._replies(name, self.step_timeout_s)
+            return fn()
         except EngineDeadError:
             raise
-        except BaseException:  # interrupted while the ranks work: their replies would answer the next call
+        except BaseException:
             self._dead = f"{name} was interrupted before every worker replied; the workers were stopped"
             self.shutdown()
             raise
@@ -257,6 +291,24 @@ class MultiprocExecutor(Executor):
         if self._finalizer.detach() is not None:  # the surviving ranks may wait in a collective: no long grace
             stop_workers(self.procs, self.conns, grace_s=0.5)
         raise EngineDeadError(self._dead)
+
+
+class PendingCall:
+    """A call sent to every rank whose replies are read later (vLLM's `execute_model(..., non_block=True)`
+    future): `result()` blocks until they are, reading the older calls' replies first."""
+
+    def __init__(self, executor: MultiprocExecutor, name: str) -> None:
+        self.executor, self.name = executor, name
+        self.output_rank: int | None = None  # execute_model: only this rank's reply is the result
+        self.done = False
+        self.results: list[Any] = []
+
+    def result(self, every_rank: bool = False) -> Any:
+        if not self.done:
+            if self.executor._dead is not None:
+                raise EngineDeadError(self.executor._dead)
+            self.executor._read_until(self)
+        return self.results if every_rank or self.output_rank is None else self.results[self.output_rank]
 
 
 def stop_workers(procs: list[Any], conns: list[Connection | None], grace_s: float = 5.0) -> None:

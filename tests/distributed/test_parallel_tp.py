@@ -40,7 +40,9 @@ def test_greedy_tokens_equal_tp1_under_chunking_prefix_caching_and_preemption(en
     for llm in (tp1, tp2):
         stats = llm.engine.stats()
         assert stats[f"num_preemptions_{mode}"] > 0 and stats["prefix_cache_hits"] > 0, stats
-    assert tp2.engine.stats()[f"num_preemptions_{mode}"] == tp1.engine.stats()[f"num_preemptions_{mode}"]
+    if tp2.engine.batch_queue_size == 1:  # one step at a time: the very same schedule. With PP's batch queue the
+        # requests in flight are not schedulable (nor preemptable), so the schedule and its preemptions differ
+        assert tp2.engine.stats()[f"num_preemptions_{mode}"] == tp1.engine.stats()[f"num_preemptions_{mode}"]
 
 
 def test_logits_match_tp1_and_float64(engines):
