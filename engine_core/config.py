@@ -69,7 +69,8 @@ class SpeculativeConfig:
         return cls(method, k, lo, hi)
 
 
-QUANTIZATION_METHODS = ("int8", "rtn")  # vLLM's names: W8A8 int8, online round-to-nearest W4A16 (or W8A16)
+# vLLM's names: W8A8 int8, online round-to-nearest W4A16 (or W8A16), GPTQ and AWQ checkpoints
+QUANTIZATION_METHODS = ("int8", "rtn", "gptq", "awq")
 _RTN_BITS = (4, 8)
 _RTN_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's int4 kernels take
 
@@ -79,7 +80,7 @@ class QuantizationConfig:
     """Weight quantization (engine_core/models/quantization): `method` "int8" (W8A8: per-channel int8 weights,
     dynamic per-token int8 activations; bits 8, no groups) or "rtn" (group-wise asymmetric `bits`-bit weights
     with zero points, activations in the model dtype; `quantization_config={"bits": 4, "group_size": 128}`
-    are the defaults)."""
+    are the defaults), or "gptq" / "awq" (a pre-quantized checkpoint; its options come from its config.json)."""
 
     method: str
     bits: int
@@ -88,6 +89,10 @@ class QuantizationConfig:
     # --linear-out`) turns on SmoothQuant's migration with strength `alpha`
     smoothquant: str | None = None
     alpha: float = 0.5
+    # gptq/awq: bits 0 and group_size None until load_model reads config.json's quantization_config
+    # (models/quantization/packed.py); group_size -1 there is one group per row
+    desc_act: bool = False  # GPTQ act-order: groups given by g_idx
+    zeros_minus_one: bool = False  # GPTQ's original format stores each zero point minus one
 
     @classmethod
     def of(cls, quantization: Any, quantization_config: Any) -> "QuantizationConfig | None":
@@ -97,6 +102,10 @@ class QuantizationConfig:
                   quantization_config)
             return None
         method = check_choice("quantization", quantization, QUANTIZATION_METHODS)
+        if method in ("gptq", "awq"):
+            _need(quantization_config is None, "quantization_config", f"None with quantization={method!r} (the "
+                  f"checkpoint's config.json carries its quantization_config)", quantization_config)
+            return cls(method, 0, None)
         options = {} if quantization_config is None else quantization_config
         _need(isinstance(options, dict), "quantization_config", "None or a dict like {'bits': 4, 'group_size': 128}",
               options)
