@@ -144,7 +144,7 @@ fp8-accuracy: venv
 # smollm2-135m-instruct, 8 windows of 512 tokens of docs/data/eval_text.txt (about 5 min on 2 shared CPU cores).
 quant-accuracy: venv
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.perplexity --model smollm2-135m-instruct --max-tokens 4096 \
-		--quantization int8,int8-sq,rtn-g32,rtn-g64,rtn8-g32 $(QUANT_ARGS)
+		--quantization int8,int8-sq,rtn-g32,rtn-g64,rtn8-g32,bf16,gguf-bf16 $(QUANT_ARGS)
 
 quant-gemm: venv
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.quant_gemm $(QUANT_GEMM_ARGS)
