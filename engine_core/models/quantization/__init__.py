@@ -5,6 +5,7 @@
 - smoothquant.py: W8A8 after SmoothQuant's migration, `quantization_config={"smoothquant": FILE}`
 - rtn.py: W4A16 (or W8A16) group-wise round-to-nearest, `quantization="rtn"`
 - packed.py: GPTQ and AWQ checkpoints (gptq.py, awq.py: their packing), `quantization="gptq"` / `"awq"`
+- gguf_q4_1.py: a GGUF file's Q4_1 blocks served as int4, `quantization="gguf"`
 
 The LM head and the embedding stay dense.
 """
