@@ -24,7 +24,8 @@ then each fp8 format (e4m3, e5m2) with each scale mode:
 
 With `--quantization int8,rtn-g32,...` the rows are weight quantization instead (docs/weight_quantization.md):
 the fp32 reference, then each scheme's projections (fp32 activations and KV cache, dense LM head):
-`int8` (W8A8), `rtn-gG` (W4A16, group G), `rtn8-gG` (W8A16, group G).
+`int8` (W8A8), `rtn-gG` (W4A16, group G), `rtn8-gG` (W8A16, group G); `bf16` (dense bf16) and `gguf-bf16` (the real
+preset's Q4_1 blocks served as int4, `quantization="gguf"`) in bf16, the others in fp32.
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ MODES = ("dynamic", "dynamic per-head", "calibrated", "calibrated per-head", "dy
 FIRST_BATCH = [{"role": "user", "content": "What is the capital of France?"}]
 BLOCK_SIZE = 16
 WINDOWS_PER_FORWARD = 4
-QUANT_SCHEMES = ("int8", "int8-sq", "rtn-g32", "rtn-g64", "rtn-g128", "rtn8-g32", "rtn8-g128")
+QUANT_SCHEMES = ("int8", "int8-sq", "rtn-g32", "rtn-g64", "rtn-g128", "rtn8-g32", "rtn8-g128", "bf16", "gguf-bf16")
+_BF16_SCHEMES = ("bf16", "gguf-bf16")  # rows in bf16 (the int4 kernel's activations); the others fp32
 
 
 @dataclass
@@ -128,6 +130,11 @@ def quantization_kwargs(scheme: str, linear_amax: Path | None = None) -> dict[st
     engine's quantization arguments."""
     if scheme == "int8":
         return dict(quantization="int8")
+    if scheme == "bf16":
+        return {}
+    if scheme == "gguf-bf16":  # the real preset's own Q4_1 blocks through the int4 kernel
+        from engine_core.presets_real import gguf_path
+        return dict(quantization="gguf", quantization_config={"file": str(gguf_path())})
     if scheme == "int8-sq":
         return dict(quantization="int8", quantization_config={"smoothquant": str(linear_amax), "alpha": 0.5})
     kind, group = scheme.split("-g")
@@ -192,7 +199,8 @@ def evaluate(model: str, text: str, context: int, max_tokens: int, formats: list
                                                         kv_cache_memory_bytes=64 << 20)[1], model)
             for scheme in quant:
                 t = time.perf_counter()
-                engine = build_engine(model, context, "float32", device=device, quant=scheme, linear_amax=linear_amax)
+                dtype = "bfloat16" if scheme in _BF16_SCHEMES else "float32"
+                engine = build_engine(model, context, dtype, device=device, quant=scheme, linear_amax=linear_amax)
                 r, _ = row(f"{scheme} ({engine.stats()['weight_bytes'] / 2**20:.0f} MiB of weights)", engine, t)
                 rows.append(r)
         return rows, sum(len(w) - 1 for w in wins)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,8 @@ class SpeculativeConfig:
         return cls(method, k, lo, hi)
 
 
-QUANTIZATION_METHODS = ("int8", "rtn")  # vLLM's names: W8A8 int8, online round-to-nearest W4A16 (or W8A16)
+# vLLM's names: W8A8 int8, online round-to-nearest W4A16 (or W8A16), GPTQ and AWQ checkpoints
+QUANTIZATION_METHODS = ("int8", "rtn", "gptq", "awq", "gguf")
 _RTN_BITS = (4, 8)
 _RTN_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's int4 kernels take
 
@@ -79,7 +80,8 @@ class QuantizationConfig:
     """Weight quantization (engine_core/models/quantization): `method` "int8" (W8A8: per-channel int8 weights,
     dynamic per-token int8 activations; bits 8, no groups) or "rtn" (group-wise asymmetric `bits`-bit weights
     with zero points, activations in the model dtype; `quantization_config={"bits": 4, "group_size": 128}`
-    are the defaults)."""
+    are the defaults), or "gptq" / "awq" (a pre-quantized checkpoint; its options come from its config.json), or
+    "gguf" (the projections' Q4_1 blocks from a GGUF file served as int4)."""
 
     method: str
     bits: int
@@ -88,6 +90,14 @@ class QuantizationConfig:
     # --linear-out`) turns on SmoothQuant's migration with strength `alpha`
     smoothquant: str | None = None
     alpha: float = 0.5
+    # gptq/awq: bits 0 and group_size None until load_model reads config.json's quantization_config
+    # (models/quantization/packed.py); group_size -1 there is one group per row
+    desc_act: bool = False  # GPTQ act-order: groups given by g_idx
+    zeros_minus_one: bool = False  # GPTQ's original format stores each zero point minus one
+    # gguf: the GGUF file whose Q4_1 blocks are served (`quantization_config={"file": PATH}`), and the blocks
+    # by Hugging Face name once load_model has read them
+    file: str | None = None
+    blocks: dict | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, quantization: Any, quantization_config: Any) -> "QuantizationConfig | None":
@@ -97,6 +107,17 @@ class QuantizationConfig:
                   quantization_config)
             return None
         method = check_choice("quantization", quantization, QUANTIZATION_METHODS)
+        if method in ("gptq", "awq"):
+            _need(quantization_config is None, "quantization_config", f"None with quantization={method!r} (the "
+                  f"checkpoint's config.json carries its quantization_config)", quantization_config)
+            return cls(method, 0, None)
+        if method == "gguf":
+            path = quantization_config.get("file") if isinstance(quantization_config, dict) else None
+            _need(isinstance(quantization_config, dict) and set(quantization_config) == {"file"} and isinstance(
+                path, (str, os.PathLike)) and Path(path).is_file(), "quantization_config",
+                  "{'file': PATH} with quantization='gguf' (an existing GGUF file of the same model, its projections "
+                  "in Q4_1: engine_core.presets_real.gguf_path() for smollm2-135m-instruct)", quantization_config)
+            return cls(method, 4, 32, file=str(path))
         options = {} if quantization_config is None else quantization_config
         _need(isinstance(options, dict), "quantization_config", "None or a dict like {'bits': 4, 'group_size': 128}",
               options)

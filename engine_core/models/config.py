@@ -221,7 +221,7 @@ class ModelConfig:
         path = resolve_model(model)
         hf_config = read_config(path)
         args = LlamaArgs.from_config(hf_config, source=str(path / "config.json"))
-        check_weights(path, args)
+        check_weights(path, args, packed_quant_method(hf_config) is not None)
         eos, eos_source = read_eos_token_ids(path, hf_config)
         bad = [e for e in eos if e >= args.vocab_size]
         if bad:
@@ -255,13 +255,32 @@ def _is_kv_scale(name: str, num_layers: int) -> bool:
     return match is not None and int(match.group(1)) < num_layers
 
 
-def check_weights(folder: Path, args: LlamaArgs) -> None:
+_PACKED_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def packed_quant_method(hf_config: dict[str, Any]) -> str | None:
+    """"gptq" or "awq" when config.json's `quantization_config` says the projections are stored packed."""
+    options = hf_config.get("quantization_config")
+    method = str(options.get("quant_method", "")).lower() if isinstance(options, dict) else ""
+    return method if method in ("gptq", "awq") else None
+
+
+def check_weights(folder: Path, args: LlamaArgs, packed: bool = False) -> None:
     """config.json against the safetensors headers (no tensor data is read): every tensor the decoder
     reads exists, is floating point and has the shape the config implies; no weights are left over
     (a layer beyond num_hidden_layers, a bias the config switches off), which would otherwise load
-    silently and compute something else. Errors name the tensor, its file and the config field."""
+    silently and compute something else. Errors name the tensor, its file and the config field.
+    `packed` (a GPTQ/AWQ checkpoint): each projection's `weight` is its `qweight`, `qzeros`, `scales`,
+    `g_idx`, checked by models/quantization/packed.py as they load."""
     infos = read_tensor_infos(folder)
     expected = args.weight_shapes()
+    if packed:
+        projections = [n for n in expected if n.endswith(tuple(f"{p}.weight" for p in _PROJECTIONS))]
+        for name in projections:
+            del expected[name]
+        allowed = {f"{n.removesuffix('.weight')}.{part}" for n in projections for part in _PACKED_PARTS}
+        infos = {n: i for n, i in infos.items() if n not in allowed}
     for name, shape in expected.items():
         info = infos.get(name)
         if info is None:

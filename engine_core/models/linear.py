@@ -2,7 +2,8 @@
 
 The method (models/quantization/) stores the weight its way and computes x @ W.T + bias (+ residual):
 `UnquantizedLinearMethod` (the default: `F.linear`, or oneDNN with a prepacked weight for fp32 and bf16 on CPU,
-fp32 with the residual fused), `Int8LinearMethod` (W8A8), `RTNLinearMethod` (W4A16 group-wise).
+fp32 with the residual fused), `Int8LinearMethod` (W8A8), `RTNLinearMethod` (W4A16 group-wise),
+`PackedLinearMethod` (a GPTQ/AWQ checkpoint's integers: no dense `weight`).
 
 With multi-LoRA serving a Linear also holds its adapter slots (`lora`, set by
 `models.lora.attach_lora_stacks`); a step whose rows use adapters adds each row's delta
@@ -20,7 +21,7 @@ from engine_core.models.quantization import LinearMethodBase, UnquantizedLinearM
 class Linear(nn.Module):
     """y = x @ weight.T + bias (+ each row's LoRA delta) (+ residual)."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None,
+    def __init__(self, weight: nn.Parameter | None, bias: nn.Parameter | None = None,
                  quant_method: LinearMethodBase | None = None) -> None:
         super().__init__()
         self.quant_method = quant_method or UnquantizedLinearMethod()

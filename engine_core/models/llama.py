@@ -17,6 +17,7 @@ residual + its output), so that one tensor is all a stage hands the next.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Callable
@@ -28,11 +29,14 @@ from torch import nn
 from engine_core.models.attention import AttentionMetadata, AttentionPlan, PagedKVCache
 from engine_core.config import QuantizationConfig
 from engine_core.distributed.parallel_state import GroupCoordinator, ParallelContext
-from engine_core.models.config import LlamaArgs
+from engine_core.models.config import LlamaArgs, packed_quant_method
 from engine_core.models.linear import Linear
-from engine_core.models.loader import CheckpointReader
+from engine_core.models.loader import CheckpointReader, read_config
 from engine_core.models.lora import LoRAMapping
-from engine_core.models.quantization import check_model_shapes, get_linear_method
+from engine_core.models.quantization.gguf_q4_1 import (Q4_1_BLOCK_BYTES, Q4_1_BLOCK_WEIGHTS, Q4_1LinearMethod,
+                                                      read_q4_1_blocks)
+from engine_core.models.quantization import (PACKED_METHODS, PackedLinearMethod, check_model_shapes, fused_tensors,
+                                            get_linear_method, resolve_packed_config)
 from engine_core.models.parallel_linear import (COLUMN, ROW, ParallelLMHead, RowParallelLinear, TPShard,
                                                 VocabParallelEmbedding)
 
@@ -82,6 +86,17 @@ def _linear(ckpt: CheckpointReader, names: list[str], bias: bool, rows: list[sli
     """One Linear over the checkpoint matrices `names` stacked along the output dimension; with `rows`,
     only those rows of each (a column-parallel shard); quantized by `quant`'s scheme (None: dense)."""
     rows = rows or [slice(None)] * len(names)
+    if quant is not None and quant.method in PACKED_METHODS:  # a GPTQ/AWQ checkpoint: no dense weight
+        tensors = fused_tensors(ckpt.get_stored, ckpt.has, names, quant)
+        return Linear(None, _param(torch.cat([ckpt.get(f"{n}.bias") for n in names])) if bias else None,
+                      PackedLinearMethod(quant, tensors, ckpt.dtype))
+    if quant is not None and quant.method == "gguf":  # the GGUF's Q4_1 blocks of each matrix, stacked along N
+        raw = [quant.blocks.get(f"{n}.weight") for n in names]
+        if any(r is None for r in raw):
+            raise ValueError(f"quantization_config['file'] {quant.file!r} has no Q4_1 tensor for {names}")
+        k = raw[0].shape[1] // Q4_1_BLOCK_BYTES * Q4_1_BLOCK_WEIGHTS
+        return Linear(None, _param(torch.cat([ckpt.get(f"{n}.bias") for n in names])) if bias else None,
+                      Q4_1LinearMethod(torch.cat(raw).reshape(-1), sum(r.shape[0] for r in raw), k, ckpt.dtype))
     weight = torch.cat([ckpt.get(f"{n}.weight")[r] for n, r in zip(names, rows)])
     return Linear(_param(weight), _param(torch.cat([ckpt.get(f"{n}.bias")[r] for n, r in zip(names, rows)]))
                   if bias else None, get_linear_method(quant, names[0], weight.shape[1]))
@@ -299,6 +314,13 @@ def load_model(folder: str | Path, args: LlamaArgs, dtype: torch.dtype, device: 
     """Build the model from `folder`'s safetensors; `args` is its parsed config.json; `parallel`: the
     worker's shard (None: the whole model); `quant`: the projections' weight quantization (checked against
     the shapes before any tensor is read)."""
+    if quant is not None and quant.method in PACKED_METHODS:
+        quant = resolve_packed_config(folder, quant)
+    elif quant is not None and quant.method == "gguf":
+        quant = dataclasses.replace(quant, blocks=read_q4_1_blocks(quant.file, args.num_heads, args.num_kv_heads))
+    elif (stored := packed_quant_method(read_config(folder))) is not None:
+        raise ValueError(f"checkpoint {str(folder)!r} is {stored}-quantized (config.json's quantization_config); "
+                         f"load it with quantization={stored!r}, got {None if quant is None else quant.method!r}")
     check_model_shapes(quant, args)
     ckpt = CheckpointReader(folder, dtype, device)
     return LlamaForCausalLM(args, ckpt, max_positions, parallel, quant).eval()

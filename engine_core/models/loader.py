@@ -140,6 +140,10 @@ class CheckpointReader:
         return name in self.files
 
     def get(self, name: str) -> torch.Tensor:
+        return self._convert(name, self.get_stored(name))
+
+    def get_stored(self, name: str) -> torch.Tensor:
+        """The tensor in its stored dtype (a GPTQ/AWQ checkpoint's packed int32 words), on the device."""
         if name not in self.files:
             where = sorted({p.name for p in self.files.values()}) or ["(no tensors)"]
             raise ValueError(f"checkpoint {str(self.folder)!r} ({', '.join(where)}) is missing tensor {name!r}")
@@ -151,7 +155,11 @@ class CheckpointReader:
             raise ValueError(f"file {str(path)!r} is missing tensor {name!r} named in its index")
         stored = f.get_tensor(name)
         check_finite(stored, name, path, "")
-        tensor = stored.to(device=self.device, dtype=self.dtype)
+        return stored.to(device=self.device)
+
+    def _convert(self, name: str, stored: torch.Tensor) -> torch.Tensor:
+        path = self.files[name]
+        tensor = stored.to(dtype=self.dtype)
         if stored.is_floating_point() and torch.finfo(self.dtype).max < torch.finfo(stored.dtype).max:
             check_finite(tensor, name, path, f" after conversion to {self.dtype} (values out of its range)")
         return tensor

@@ -4,6 +4,8 @@
 - int8.py: W8A8, `quantization="int8"`
 - smoothquant.py: W8A8 after SmoothQuant's migration, `quantization_config={"smoothquant": FILE}`
 - rtn.py: W4A16 (or W8A16) group-wise round-to-nearest, `quantization="rtn"`
+- packed.py: GPTQ and AWQ checkpoints (gptq.py, awq.py: their packing), `quantization="gptq"` / `"awq"`
+- gguf_q4_1.py: a GGUF file's Q4_1 blocks served as int4, `quantization="gguf"`
 
 The LM head and the embedding stay dense.
 """
@@ -13,6 +15,8 @@ from engine_core.config import QuantizationConfig
 from engine_core.models.config import LlamaArgs
 from engine_core.models.quantization.base import LinearMethodBase
 from engine_core.models.quantization.int8 import Int8LinearMethod
+from engine_core.models.quantization.packed import (PACKED_METHODS, PackedLinearMethod, fused_tensors,
+                                                    resolve_packed_config)
 from engine_core.models.quantization.rtn import RTNLinearMethod
 from engine_core.models.quantization.smoothquant import SmoothQuantInt8LinearMethod, linear_amax_of
 from engine_core.models.quantization.unquantized import UnquantizedLinearMethod
@@ -35,8 +39,8 @@ def get_linear_method(quant: QuantizationConfig | None, prefix: str | None = Non
 
 def check_model_shapes(quant: QuantizationConfig | None, args: LlamaArgs) -> None:
     """Before any weight loads: the group size must divide every projection's input size."""
-    if quant is None or quant.group_size is None:
-        return
+    if quant is None or quant.group_size is None or quant.method in PACKED_METHODS:
+        return  # a packed checkpoint's group size is checked against each tensor as it loads (packed.py)
     inputs = {"hidden_size": args.hidden_size, "num_attention_heads * head_dim": args.num_heads * args.head_dim,
               "intermediate_size": args.intermediate_size}
     bad = {name: k for name, k in inputs.items() if k % quant.group_size}
@@ -47,5 +51,6 @@ def check_model_shapes(quant: QuantizationConfig | None, args: LlamaArgs) -> Non
 
 
 __all__ = ["LinearMethodBase", "UnquantizedLinearMethod", "Int8LinearMethod", "RTNLinearMethod",
-           "SmoothQuantInt8LinearMethod",
+           "SmoothQuantInt8LinearMethod", "PackedLinearMethod", "PACKED_METHODS", "fused_tensors",
+           "resolve_packed_config",
            "get_linear_method", "check_model_shapes"]

@@ -17,8 +17,8 @@ class LinearMethodBase(ABC):
     """How one `Linear` stores its weight and computes x @ W.T + bias (+ residual)."""
 
     def create_weights(self, layer: nn.Module, weight: nn.Parameter, bias: nn.Parameter | None) -> None:
-        """Hang the checkpoint's dense weight `[out, in]` and bias on `layer` (every scheme here loads a dense
-        checkpoint and quantizes it online)."""
+        """Hang the checkpoint's dense weight `[out, in]` and bias on `layer` (a scheme that quantizes online;
+        packed.py's GPTQ/AWQ method loads integers instead and overrides this)."""
         layer.weight, layer.bias = weight, bias
         layer.input_size, layer.output_size = weight.shape[1], weight.shape[0]
 

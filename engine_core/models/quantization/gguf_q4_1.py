@@ -4,10 +4,17 @@ A block covers 32 consecutive weights of a row in 20 bytes: `d` (fp16, the step)
 block's minimum), then 16 bytes of nibbles. Byte j holds weight j in its low nibble and weight j + 16 in
 its high nibble (not 2j and 2j + 1). Weight = q * d + m, q in 0..15: asymmetric, with a float minimum
 instead of an integer zero, so 0 is not always exact. 5 bits per weight (4 + 2 * 16 / 32).
+`Q4_1LinearMethod` serves the blocks as they are through torch's CPU int4 kernel.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_core.models.quantization.base import LinearMethodBase, add_bias_residual
+from engine_core.models.quantization.rtn import int4pack_applies
 
 Q4_1_BLOCK_WEIGHTS, Q4_1_BLOCK_BYTES = 32, 20
 
@@ -24,3 +31,80 @@ def dequantize_q4_1(raw: torch.Tensor) -> torch.Tensor:
     qs = blocks[:, 4:].to(torch.int32)
     q = torch.cat([qs & 0x0F, qs >> 4], dim=1)  # [n, 32]: weights 0..15, then 16..31
     return (q.float() * d + m).reshape(-1)
+
+
+def q4_1_parts(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A `[n, k]` matrix's blocks (uint8, row-major: k / 32 blocks per row) -> (q int32 `[n, k]`,
+    d fp32 `[k / 32, n]`, m fp32 `[k / 32, n]`), w = q * d + m."""
+    if raw.dtype != torch.uint8 or k % Q4_1_BLOCK_WEIGHTS or raw.numel() != n * k // Q4_1_BLOCK_WEIGHTS * Q4_1_BLOCK_BYTES:
+        raise ValueError(f"raw must be the uint8 Q4_1 blocks of a [{n}, {k}] matrix (k a multiple of "
+                         f"{Q4_1_BLOCK_WEIGHTS}, {Q4_1_BLOCK_BYTES} bytes a block), got {raw.dtype} with {raw.numel()} "
+                         f"elements")
+    blocks = raw.reshape(n, k // Q4_1_BLOCK_WEIGHTS, Q4_1_BLOCK_BYTES)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # [n, k / 32]
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
+    qs = blocks[..., 4:].to(torch.int32)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).reshape(n, k)  # per block: weights 0..15, then 16..31
+    return q, d.t().contiguous(), m.t().contiguous()
+
+
+class Q4_1LinearMethod(LinearMethodBase):
+    """The GGUF's Q4_1 blocks served as int4 (`quantization="gguf"`): torch's CPU kernel computes
+    (q - 8) * scale + zero per group of 32, so scale = d and zero = m + 8d give q * d + m with no
+    re-rounding onto another grid (only d and m + 8d rounded to the activations' bf16/fp16). Other dtypes
+    and devices dequantize exactly and run `F.linear` (the reference path)."""
+
+    def __init__(self, raw: torch.Tensor, n: int, k: int, dtype: torch.dtype) -> None:
+        self.parts, self.n, self.k, self.dtype = q4_1_parts(raw, n, k), n, k, dtype
+
+    def create_weights(self, layer: nn.Module, weight: nn.Parameter | None, bias: nn.Parameter | None) -> None:
+        layer.bias, layer.input_size, layer.output_size = bias, self.k, self.n
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        q, d, m = self.parts
+        del self.parts
+        layer.weight_int4pack = layer.scales_and_zeros = layer.q = layer.d = layer.m = None
+        if int4pack_applies(q.device, self.dtype, 4, self.n):
+            layer.weight_int4pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            layer.scales_and_zeros = torch.stack([d, m + 8 * d], dim=-1).to(self.dtype).contiguous()
+        else:
+            layer.q, layer.d, layer.m = q.to(torch.uint8), d, m
+
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        """q * d + m `[N, K]` in fp32: the Q4_1 weight exactly (the reference path)."""
+        g = Q4_1_BLOCK_WEIGHTS
+        return layer.q.float() * layer.d.t().repeat_interleave(g, 1) + layer.m.t().repeat_interleave(g, 1)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.weight_int4pack is None:
+            y = F.linear(x, self.dequantized_weight(layer).to(x.dtype))
+        elif x.numel() == 0:
+            y = x.new_zeros(*x.shape[:-1], self.n)
+        else:
+            rows = x.reshape(-1, self.k).to(self.dtype)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, layer.weight_int4pack, Q4_1_BLOCK_WEIGHTS,
+                                                             layer.scales_and_zeros)
+            y = y.to(x.dtype).reshape(*x.shape[:-1], self.n)
+        return add_bias_residual(y, layer.bias, residual)
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        held = [layer.weight_int4pack, layer.scales_and_zeros, layer.q, layer.d, layer.m]
+        return sum(t.nbytes for t in held if t is not None)
+
+
+def read_q4_1_blocks(path: str, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tensor]:
+    """Every Q4_1 projection of a llama GGUF file -> its blocks uint8 `[N, K / 32 * 20]` under its Hugging Face
+    name, q_proj / k_proj rows un-permuted as the converter does (a row's blocks move with it)."""
+    from gguf import GGUFReader, GGMLQuantizationType
+
+    from engine_core.presets_real import hf_name, unpermute_qk
+
+    out = {}
+    for t in GGUFReader(path).tensors:
+        if t.tensor_type != GGMLQuantizationType.Q4_1:
+            continue
+        name, data = hf_name(t.name), np.array(t.data)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            data = unpermute_qk(data, num_heads if name.endswith("q_proj.weight") else num_kv_heads)
+        out[name] = torch.from_numpy(np.ascontiguousarray(data))
+    return out

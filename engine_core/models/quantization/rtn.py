@@ -94,15 +94,21 @@ class RTNLinearMethod(LinearMethodBase):
             raise ValueError(f"quantization_config['group_size'] must divide every linear's input size, got "
                              f"{self.group_size} for an input of {w.shape[1]}")
         q, scales, zeros = quantize_groupwise(w, self.bits, self.group_size)
-        layer.dtype = w.dtype
         del layer.weight
+        self.store(layer, q, scales, zeros, w.dtype)
+
+    def store(self, layer: nn.Module, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              dtype: torch.dtype) -> None:
+        """Hang (q `[N, K]`, scales fp32 `[K / g, N]`, zeros `[K / g, N]`) on `layer` in GPTQ's layout or the
+        CPU kernel's (a GPTQ/AWQ checkpoint's loader, packed.py, arrives here with its unpacked tensors)."""
+        layer.dtype = dtype
         layer.qweight = layer.scales = layer.zeros = layer.weight_int4pack = layer.scales_and_zeros = None
-        if self.cpu_kernel and int4pack_applies(w.device, w.dtype, self.bits, w.shape[0]):
+        if self.cpu_kernel and int4pack_applies(q.device, dtype, self.bits, q.shape[0]):
             layer.weight_int4pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             float_zero = (8 - zeros.float()) * scales  # (q - 8) * s + (8 - z) * s = (q - z) * s
-            layer.scales_and_zeros = torch.stack([scales, float_zero], dim=-1).to(w.dtype).contiguous()
+            layer.scales_and_zeros = torch.stack([scales, float_zero], dim=-1).to(dtype).contiguous()
         else:
-            layer.qweight, layer.scales, layer.zeros = pack_along_k(q, self.bits), scales.to(w.dtype), \
+            layer.qweight, layer.scales, layer.zeros = pack_along_k(q, self.bits), scales.to(dtype), \
                 zeros.to(torch.uint8)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
