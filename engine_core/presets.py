@@ -48,6 +48,10 @@ PRESETS: dict[str, Preset] = {
                          description="Qwen2: qkv bias, GQA 4:1"),
     "tiny-qwen3": Preset("Qwen3Config", dict(_TINY, head_dim=32, tie_word_embeddings=True), residual_gain=4.0,
                          description="Qwen3: q/k RMSNorm, head_dim 32 != hidden/heads, tied embeddings"),
+    # the same seed and parameter order as tiny-llama, so its embedding, layer 0 and LM head are
+    # tiny-llama's: a self-draft with the last layer dropped (speculative_config method "draft_model")
+    "tiny-llama-draft": Preset("LlamaConfig", dict(_TINY, num_hidden_layers=1),
+                               description="tiny-llama's first layer alone: its draft model"),
     "small-llama": Preset("LlamaConfig", dict(_TINY, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                                               num_attention_heads=8, num_key_value_heads=4, vocab_size=8192,
                                               max_position_embeddings=4096),
