@@ -67,14 +67,14 @@ PRESETS: dict[str, Preset] = {
 
 def preset_names() -> list[str]:
     """Every preset name: the random ones here and the real ones (engine_core.presets_real)."""
-    from engine_core.presets_real import REAL_PRESETS
+    from engine_core.presets_real import DRAFT_PRESETS, REAL_PRESETS
 
-    return sorted([*PRESETS, *REAL_PRESETS])
+    return sorted([*PRESETS, *REAL_PRESETS, *DRAFT_PRESETS])
 
 
 def resolve_model(model: str | os.PathLike) -> Path:
     """A model folder (must hold config.json) or a preset name -> a local checkpoint folder."""
-    from engine_core.presets_real import REAL_PRESETS, real_preset_path
+    from engine_core.presets_real import DRAFT_PRESETS, REAL_PRESETS, draft_preset_path, real_preset_path
 
     path = Path(model).expanduser()
     if path.is_dir():
@@ -86,6 +86,8 @@ def resolve_model(model: str | os.PathLike) -> Path:
         return preset_path(str(model))
     if str(model) in REAL_PRESETS:
         return real_preset_path(str(model))
+    if str(model) in DRAFT_PRESETS:
+        return draft_preset_path(str(model))
     raise ValueError(f"model must be an existing checkpoint folder or one of the presets {preset_names()}, "
                      f"got {str(model)!r}")
 
