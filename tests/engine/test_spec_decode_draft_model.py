@@ -1,6 +1,6 @@
 """Speculative decoding with method "draft_model" end to end: greedy output with a draft model's drafts
-equals the output without, token for token, under chunked prefill, prefix caching and both preemption
-modes; a draft with the target's weights is always accepted; seeded sampled runs repeat; a draft with
+equals the output without, token for token, under chunked prefill, prefix caching, both preemption
+modes and LoRA; a draft with the target's weights is always accepted; seeded sampled runs repeat; a draft with
 another vocabulary or a shorter context is refused by name before the engine is built. The sampled
 distribution is tested where it is decided, in tests/worker/test_draft_model.py."""
 from __future__ import annotations
@@ -14,6 +14,8 @@ from engine_helpers import pool_is_whole
 
 from engine_core import LLM, SamplingParams
 from engine_core.config import EngineConfig
+from engine_core.lora.presets import adapter_path
+from engine_core.lora.request import LoRARequest
 from engine_core.presets import resolve_model
 
 DRAFT = {"method": "draft_model", "model": "tiny-llama-draft", "num_speculative_tokens": 3}
@@ -60,6 +62,22 @@ def test_greedy_output_survives_preemption_with_draft_model_drafts(plain, mode):
     assert stats[key] > 0, stats
     assert outs == plain
     _assert_speculated(stats)
+
+
+def test_lora_requests():
+    """The target verifies with its adapter; the draft (the base weights, no adapter) only changes which
+    drafts are accepted, never the greedy output. (fp8 KV is not repeated here: the draft never touches
+    the target's cache, and test_spec_decode.py runs the same verify path with an fp8 cache; on CPU each
+    fp8 run costs ~25 s.)"""
+    lora = LoRARequest("r8-attn", 1, str(adapter_path("tiny-llama", "r8-attn")))
+    got = {}
+    for spec in (None, DRAFT):
+        llm = LLM("tiny-llama", speculative_config=spec, enable_lora=True, max_lora_rank=16, **BASE)
+        got[spec is None] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False,
+                                                                         lora_request=lora)]
+        if spec:
+            _assert_speculated(llm.engine.stats())
+    assert got[False] == got[True]
 
 
 def test_a_draft_with_the_targets_weights_is_always_accepted(plain):
