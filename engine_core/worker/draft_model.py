@@ -27,7 +27,10 @@ DRAFT_SALT = 0x5DEECE66D  # separates the draft's seeded draws from the target's
 def check_draft_model(model: str, vocab_size: int, max_model_len: int) -> ModelConfig:
     """The draft checkpoint's config, checked against the target: the same vocab_size (drafts are target
     token ids, q and p the same support) and a context of at least max_model_len."""
-    draft = ModelConfig.load(model)
+    try:
+        draft = ModelConfig.load(model)
+    except ValueError as error:
+        raise ValueError(f"speculative_config['model']: {error}") from None
     if draft.args.vocab_size != vocab_size:
         raise ValueError(f"speculative_config['model']={model!r} has vocab_size {draft.args.vocab_size}; a draft "
                          f"model needs the target's vocabulary, vocab_size {vocab_size}")
