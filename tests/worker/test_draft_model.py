@@ -60,3 +60,17 @@ def test_the_draft_models_q_and_greedy_chain_are_its_own():
             assert int(tokens[j]) in top.tolist()  # drawn from q: inside its top-k support
     again = drafter.propose([sampled], [2], Sampler(5))[0][0]
     assert again == tokens  # a seeded request drafts the same tokens whatever the engine's generator
+
+
+def test_tiny_llama_draft_is_tiny_llamas_first_layer():
+    """The preset's claim (engine_core/presets.py): the same embedding, layer 0 and LM head as tiny-llama,
+    so its drafts are a real self-draft (some accepted), not noise."""
+    from safetensors.torch import load_file
+
+    from engine_core.presets import resolve_model
+
+    draft = load_file(resolve_model("tiny-llama-draft") / "model.safetensors")
+    target = load_file(resolve_model("tiny-llama") / "model.safetensors")
+    assert not any(k.startswith("model.layers.1.") for k in draft)
+    same = [k for k in draft if k != "model.norm.weight"]
+    assert same and all(torch.equal(draft[k], target[k]) for k in same)
