@@ -1,11 +1,11 @@
 """Method "draft_model": a smaller checkpoint with the target's vocabulary drafts k tokens per step.
 
-Design (the simple one, its cost stated): the draft holds no paged KV cache of the engine's. For each
-speculating request, each step, it runs its Hugging Face model once over the request's whole token list
-(prompt + output so far) and then k - 1 one-token steps on the KV cache that forward returned, which it
-drops afterwards. The price is recomputing the draft's prefill every step: O(context) draft tokens per
-step and request instead of k, affordable for a draft many times smaller than the target and short
-contexts, and no block accounting, preemption or prefix-cache state to keep in step with the target's.
+Design: the draft keeps, per request, its own Hugging Face KV cache (a DynamicCache) and the tokens it
+covers, apart from the target's paged cache. Each step it crops that cache to the longest prefix still
+equal to the request's tokens (the rejected drafts fall off, as the target's rollback drops them), runs
+the tokens after it (the accepted drafts and the target's token, or the whole prompt the first time),
+then k - 1 one-token steps. No blocks to keep in step with the target's: a request the runner forgets
+(finished, aborted, preempted) drops its draft cache, and is recomputed from its tokens when it returns.
 
 Greedy requests draft the draft's argmax chain (verified by `greedy_verify`). Sampled requests draft
 from q, the draft's distribution after the request's temperature, top-k and top-p (as the target's p),
@@ -49,6 +49,11 @@ class DraftModel:
         self.k = num_speculative_tokens
         self.device = device
         self.model = AutoModelForCausalLM.from_pretrained(draft.path, dtype=dtype).to(device).eval()
+        self.caches: dict[str, tuple[list[int], object]] = {}  # request id -> (tokens its cache holds, cache)
+
+    def forget(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.caches.pop(rid, None)
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_drafts: list[int], sampler: Sampler
@@ -64,8 +69,16 @@ class DraftModel:
 
     def _propose_one(self, request: Request, n: int, sampler: Sampler) -> tuple[list[int], torch.Tensor | None]:
         sp = request.sampling_params
-        ids = torch.tensor([request.all_token_ids], device=self.device)
-        out = self.model(input_ids=ids, use_cache=True)
+        context = request.all_token_ids
+        cached, cache = self.caches.get(request.request_id, ([], None))
+        keep = 0
+        for a, b in zip(cached, context[:-1]):  # at least the last token runs: its logits draft d_1
+            if a != b:
+                break
+            keep += 1
+        if keep < len(cached):
+            cache.crop(keep - len(cached))  # transformers 5 crops by a negative count of tokens to drop
+        out = self.model(input_ids=torch.tensor([context[keep:]], device=self.device), cache=cache, use_cache=True)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for j in range(n):
@@ -81,6 +94,7 @@ class DraftModel:
             if j + 1 < n:
                 out = self.model(input_ids=torch.tensor([[token]], device=self.device),
                                  cache=out.cache, use_cache=True)
+        self.caches[request.request_id] = (context + tokens[:-1], out.cache)
         return tokens, (torch.stack(rows) if rows else None)
 
     @staticmethod

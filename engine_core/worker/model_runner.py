@@ -178,11 +178,13 @@ class ModelRunner:
 
     # ---- requests --------------------------------------------------------------------------
     def _forget(self, request_ids: list[str]) -> None:
-        """Drop the block-table rows and adapter slot pins of requests the step names as gone."""
+        """Drop the block-table rows, adapter slot pins and draft caches of requests the step names as gone."""
         for rid in request_ids:
             self.input_batch.remove(rid)
         if self.lora is not None:
             self.lora.forget(request_ids)
+        if self.drafter is not None:
+            self.drafter.forget(request_ids)
 
     def forget_all_requests(self) -> None:
         """After a step that raised part-way (the engine requeues every request to be recomputed): no

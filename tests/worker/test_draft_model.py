@@ -74,3 +74,20 @@ def test_tiny_llama_draft_is_tiny_llamas_first_layer():
     assert not any(k.startswith("model.layers.1.") for k in draft)
     same = [k for k in draft if k != "model.norm.weight"]
     assert same and all(torch.equal(draft[k], target[k]) for k in same)
+
+
+def test_the_draft_cache_rolls_back_to_the_verified_prefix():
+    """Step after step, with some drafts rejected (a token the draft did not propose appended): the drafts
+    from the kept, cropped cache are the ones a fresh draft model computes from the tokens alone."""
+    config = ModelConfig.load("tiny-llama-draft")
+    kept = DraftModel(config, 3, torch.float32, torch.device("cpu"))
+    request = Request("g", [5, 9, 17, 33, 65], SamplingParams(temperature=0.0))
+    for step in range(4):
+        drafts = kept.propose([request], [3], Sampler(0))[0][0]
+        fresh = DraftModel(config, 3, torch.float32, torch.device("cpu")).propose([request], [3], Sampler(0))[0][0]
+        assert drafts == fresh, step
+        accepted = drafts[:step % 3]  # 0, 1, 2, 0 drafts accepted, then a token of the target's own
+        for token in [*accepted, (drafts[len(accepted)] + 1) % 512]:
+            request.append_token(token, 0.0)
+    kept.forget(["g"])
+    assert not kept.caches
