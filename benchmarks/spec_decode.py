@@ -1,7 +1,7 @@
 """`make bench-spec`: n-gram speculative decoding against plain decoding, greedy, on a repetitive workload.
 
 `--method draft_model` drafts with a draft model instead (`--draft-model`, default the model's
-"<model>-draft" preset, e.g. smollm2-135m-instruct-draft), which recomputes its prefill every step
+"<model>-draft" preset, e.g. smollm2-135m-instruct-draft), which runs one request at a time
 (engine_core/worker/draft_model.py): its acceptance numbers are real, its CPU wall time is not a speedup.
 
 Each request's prompt is a random passage repeated (an "edit this text" workload, where prompt lookup
