@@ -1,5 +1,9 @@
 """`make bench-spec`: n-gram speculative decoding against plain decoding, greedy, on a repetitive workload.
 
+`--method draft_model` drafts with a draft model instead (`--draft-model`, default the model's
+"<model>-draft" preset, e.g. smollm2-135m-instruct-draft), which runs one request at a time
+(engine_core/worker/draft_model.py): its acceptance numbers are real, its CPU wall time is not a speedup.
+
 Each request's prompt is a random passage repeated (an "edit this text" workload, where prompt lookup
 finds the continuation). Reported per batch size: output tokens/s with and without speculation, the
 speedup, the measured first-draft acceptance rate alpha, the measured mean acceptance length (tokens per
@@ -49,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small-llama")
     ap.add_argument("--batch-sizes", default="1,4,16")
+    ap.add_argument("--method", choices=("ngram", "draft_model"), default="ngram")
+    ap.add_argument("--draft-model", default=None, help="with --method draft_model; default: <model>-draft")
     ap.add_argument("--num-speculative-tokens", type=int, default=3)
     ap.add_argument("--passage-len", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
@@ -57,7 +63,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     k = args.num_speculative_tokens
     spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
-    print(f"model {args.model}, k={k}, prompts: a {args.passage_len}-token passage x {args.repeats}, "
+    if args.method == "draft_model":
+        spec = {"method": "draft_model", "num_speculative_tokens": k, "model": args.draft_model or f"{args.model}-draft"}
+    print(f"model {args.model}, {args.method} {spec.get('model', '')}, k={k}, prompts: a {args.passage_len}-token passage x {args.repeats}, "
           f"{args.max_tokens} output tokens, greedy")
     print(f"{'batch':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} {'alpha':>6} "
           f"{'mean len':>8} {'predicted':>9} {'drafts':>6} {'steps':>9}  accepted per position")

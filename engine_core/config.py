@@ -22,7 +22,7 @@ _ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # vLLM's executor backends: "uni" (one process, the model in the engine's), "mp" (a worker process per
 # rank, engine_core/distributed); None picks "uni" for one rank and "mp" for more
 _EXECUTOR_BACKENDS = (None, "uni", "mp")
-_SPEC_METHODS = ("ngram",)
+_SPEC_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # drafts per step; acceptance of the k-th draft is alpha^k, so more rarely pays
 _DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -36,29 +36,42 @@ def _need(ok: bool, name: str, allowed: str, value: Any) -> None:
 class SpeculativeConfig:
     """vLLM's `speculative_config` (a dict of these names): `method` "ngram" (prompt lookup) drafts up to
     `num_speculative_tokens` tokens per step from the longest suffix of length in [prompt_lookup_min,
-    prompt_lookup_max] that appeared earlier in the request (engine_core.spec_decode.ngram_proposer)."""
+    prompt_lookup_max] that appeared earlier in the request (engine_core.spec_decode.ngram_proposer);
+    `method` "draft_model" drafts them with a smaller checkpoint `model` (a preset or a folder) of the
+    same vocabulary (engine_core.worker.draft_model; its vocabulary and context are checked against the
+    target's when the engine is built)."""
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int = 0  # ngram only
+    prompt_lookup_max: int = 0
+    model: str | None = None  # draft_model only
 
     @classmethod
     def from_dict(cls, value: Any) -> "SpeculativeConfig":
-        """Check the dict: known keys, the method, k in [1, MAX_SPECULATIVE_TOKENS], 1 <= min <= max. As
-        in vLLM, a missing prompt_lookup_min / prompt_lookup_max takes the other's value (both missing: an
-        error)."""
+        """Check the dict: known keys, the method, k in [1, MAX_SPECULATIVE_TOKENS]; ngram: 1 <= min <= max
+        (as in vLLM, a missing prompt_lookup_min / prompt_lookup_max takes the other's value; both missing:
+        an error); draft_model: `model` a non-empty string."""
         if isinstance(value, SpeculativeConfig):
             return value
         _need(isinstance(value, dict), "speculative_config",
               "None or a dict like {'method': 'ngram', 'num_speculative_tokens': 3, 'prompt_lookup_max': 4}", value)
-        known = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+        method = check_choice("speculative_config['method']", value.get("method"), _SPEC_METHODS)
+        known = ("method", "num_speculative_tokens") + (
+            ("prompt_lookup_min", "prompt_lookup_max") if method == "ngram" else ("model",))
         unknown = sorted(str(k) for k in value if k not in known)
         if unknown:
-            raise ValueError(f"speculative_config has unknown key(s) {unknown}; allowed: {list(known)}")
-        method = check_choice("speculative_config['method']", value.get("method"), _SPEC_METHODS)
+            raise ValueError(f"speculative_config has unknown key(s) {unknown} for method {method!r}; "
+                             f"allowed: {list(known)}")
         k = check_int("speculative_config['num_speculative_tokens']", value.get("num_speculative_tokens"), 1,
                       MAX_SPECULATIVE_TOKENS)
+        if method == "draft_model":
+            model = value.get("model")
+            if isinstance(model, os.PathLike):
+                model = os.fspath(model)
+            _need(isinstance(model, str) and bool(model), "speculative_config['model']",
+                  "a preset name or a model folder with the target's vocabulary", model)
+            return cls(method, k, model=model)
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         if lo is None and hi is None:
             raise ValueError("speculative_config needs prompt_lookup_min or prompt_lookup_max (an int >= 1) with "

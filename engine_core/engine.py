@@ -51,6 +51,7 @@ from engine_core.models.config import ModelConfig
 from engine_core.prompts import PromptType, parse_prompt
 from engine_core.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
 from engine_core.validation import check_int, check_real, fail
+from engine_core.worker.draft_model import check_draft_model
 from engine_core.worker.model_runner import ModelRunner, weight_bytes as runner_weight_bytes
 
 class LLMEngine:
@@ -59,6 +60,9 @@ class LLMEngine:
         args = self.model_config.args
         self.config = ResolvedConfig.resolve(config, args.max_position_embeddings, self.model_config.checkpoint_dtype)
         args.check_max_model_len(self.config.max_model_len)
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":  # before any process or weight is loaded
+            check_draft_model(spec.model, args.vocab_size, self.config.max_model_len)
         self.executor: Executor = get_executor_class(self.config)(self.config, self.model_config)
         # the model runner when it is in this process (the single-process engine), else None
         self.runner: ModelRunner | None = self.executor.runner if isinstance(self.executor, UniProcExecutor) else None

@@ -48,6 +48,10 @@ PRESETS: dict[str, Preset] = {
                          description="Qwen2: qkv bias, GQA 4:1"),
     "tiny-qwen3": Preset("Qwen3Config", dict(_TINY, head_dim=32, tie_word_embeddings=True), residual_gain=4.0,
                          description="Qwen3: q/k RMSNorm, head_dim 32 != hidden/heads, tied embeddings"),
+    # the same seed and parameter order as tiny-llama, so its embedding, layer 0 and LM head are
+    # tiny-llama's: a self-draft with the last layer dropped (speculative_config method "draft_model")
+    "tiny-llama-draft": Preset("LlamaConfig", dict(_TINY, num_hidden_layers=1),
+                               description="tiny-llama's first layer alone: its draft model"),
     "small-llama": Preset("LlamaConfig", dict(_TINY, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                                               num_attention_heads=8, num_key_value_heads=4, vocab_size=8192,
                                               max_position_embeddings=4096),
@@ -63,14 +67,14 @@ PRESETS: dict[str, Preset] = {
 
 def preset_names() -> list[str]:
     """Every preset name: the random ones here and the real ones (engine_core.presets_real)."""
-    from engine_core.presets_real import REAL_PRESETS
+    from engine_core.presets_real import DRAFT_PRESETS, REAL_PRESETS
 
-    return sorted([*PRESETS, *REAL_PRESETS])
+    return sorted([*PRESETS, *REAL_PRESETS, *DRAFT_PRESETS])
 
 
 def resolve_model(model: str | os.PathLike) -> Path:
     """A model folder (must hold config.json) or a preset name -> a local checkpoint folder."""
-    from engine_core.presets_real import REAL_PRESETS, real_preset_path
+    from engine_core.presets_real import DRAFT_PRESETS, REAL_PRESETS, draft_preset_path, real_preset_path
 
     path = Path(model).expanduser()
     if path.is_dir():
@@ -82,6 +86,8 @@ def resolve_model(model: str | os.PathLike) -> Path:
         return preset_path(str(model))
     if str(model) in REAL_PRESETS:
         return real_preset_path(str(model))
+    if str(model) in DRAFT_PRESETS:
+        return draft_preset_path(str(model))
     raise ValueError(f"model must be an existing checkpoint folder or one of the presets {preset_names()}, "
                      f"got {str(model)!r}")
 

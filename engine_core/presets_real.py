@@ -45,6 +45,13 @@ REAL_PRESETS: dict[str, RealPreset] = {
                     "dequantized to fp32"),
 }
 
+# Self-drafts for speculative_config method "draft_model": a real preset with some decoder layers dropped
+# (the rest renumbered), its embedding, final norm, LM head and tokenizer kept. Issue #25 measured the
+# teacher-forced greedy agreement of SmolLM2-135M without its middle 6 of 30 layers at 0.48.
+DRAFT_PRESETS: dict[str, tuple[str, range]] = {
+    "smollm2-135m-instruct-draft": ("smollm2-135m-instruct", range(12, 18)),
+}
+
 # GGUF tensor name (after "blk.N.") -> Hugging Face Llama name (after "model.layers.N.")
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -181,3 +188,36 @@ def real_preset_path(name: str) -> Path:
         print(f"inference-labs: {name} built in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
     return build_once(target, "config.json", build)
+
+
+def draft_preset_path(name: str) -> Path:
+    """The folder of self-draft `name` (DRAFT_PRESETS), built once from its base preset's folder."""
+    if name not in DRAFT_PRESETS:
+        raise ValueError(f"unknown draft preset {name!r}; draft presets: {sorted(DRAFT_PRESETS)}")
+    base, dropped = DRAFT_PRESETS[name]
+    source = real_preset_path(base)
+    return build_once(cache_root() / "presets" / f"{name}-v{REAL_PRESET_VERSION}", "config.json",
+                      lambda out: _drop_layers(source, set(dropped), out))
+
+
+def _drop_layers(source: Path, dropped: set[int], out_dir: Path) -> None:
+    """Copy the HF folder `source` without the decoder layers in `dropped`, the kept ones renumbered."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((source / "config.json").read_text())
+    kept = [i for i in range(config["num_hidden_layers"]) if i not in dropped]
+    new_index = {old: new for new, old in enumerate(kept)}
+    weights = {}
+    for key, value in load_file(source / "model.safetensors").items():
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", key)
+        if m is None:
+            weights[key] = value
+        elif int(m.group(1)) in new_index:
+            weights[f"model.layers.{new_index[int(m.group(1))]}.{m.group(2)}"] = value
+    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    for f in source.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, out_dir / f.name)
+    (out_dir / "config.json").write_text(json.dumps({**config, "num_hidden_layers": len(kept)}, indent=2) + "\n")

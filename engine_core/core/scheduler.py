@@ -20,9 +20,10 @@ fits the model can be scheduled (vLLM requires the same of its engine arguments)
 `long_prefill_token_threshold` caps a request's tokens per step only with chunked prefill.
 
 With `speculative_config`, `schedule()` then gives each one-token decode draft tokens (n-gram prompt
-lookup, `_schedule_drafts`) from the budget and the free blocks the plan left: drafts never take room
-from real work, and a request they do not fit decodes plainly. Its block table grows over the lookahead
-slots; `update_from_output` advances num_computed_tokens only over the verified tokens, so the slots of
+lookup; with method "draft_model", placeholder slots the runner's draft model fills; `_schedule_drafts`)
+from the budget and the free blocks the plan left: drafts never take room from real work, and a
+request they do not fit decodes plainly. Its block table grows over the lookahead slots;
+`update_from_output` advances num_computed_tokens only over the verified tokens, so the slots of
 rejected drafts are written again next step, and a block enters the prefix cache only once every token
 in it is verified.
 """
@@ -40,6 +41,7 @@ from engine_core.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from engine_core.metrics import Stats
 from engine_core.outputs import ModelRunnerOutput
 from engine_core.request import Request, RequestStatus
+from engine_core.spec_decode.draft_slots import DraftSlots
 from engine_core.spec_decode.ngram_proposer import NgramProposer
 
 
@@ -71,8 +73,11 @@ class Scheduler:
         # (pipeline_parallel_size > 1) fills it; empty otherwise
         self.in_flight: set[str] = set()
         spec = self.config.speculative_config
-        self.proposer = None if spec is None else NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max,
-                                                                 spec.num_speculative_tokens)
+        self.proposer: NgramProposer | DraftSlots | None = None
+        if spec is not None and spec.method == "ngram":
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens)
+        elif spec is not None:  # draft_model: the runner's draft model fills the slots
+            self.proposer = DraftSlots(spec.num_speculative_tokens)
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:

@@ -44,6 +44,7 @@ from engine_core.models.llama import LlamaForCausalLM, load_model
 from engine_core.outputs import ModelRunnerOutput
 from engine_core.request import Request, SamplingParams
 from engine_core.worker.cuda_graphs import DecodeGraphs
+from engine_core.worker.draft_model import DraftModel, check_draft_model
 from engine_core.worker.input_batch import InputBatch
 from engine_core.worker.kv_cache import KVCache
 from engine_core.worker.kv_scales import DynamicScales, static_kv_amax
@@ -96,6 +97,11 @@ class ModelRunner:
             if config.engine.enable_lora else None
         self.sampler = Sampler(config.engine.seed)
         self.rejection_sampler = RejectionSampler(self.sampler)
+        spec = config.engine.speculative_config
+        self.drafter = None  # method "draft_model": fills the scheduler's lookahead slots
+        if spec is not None and spec.method == "draft_model":
+            draft = check_draft_model(spec.model, model_config.args.vocab_size, config.max_model_len)
+            self.drafter = DraftModel(draft, spec.num_speculative_tokens, config.dtype, config.device)
         self.input_batch = InputBatch(config.engine.max_num_seqs, cdiv(config.max_model_len, self.block_size))
         self.kv_cache: KVCache | None = None  # initialize_kv_cache
         self.cuda_graphs: DecodeGraphs | None = None
@@ -172,11 +178,13 @@ class ModelRunner:
 
     # ---- requests --------------------------------------------------------------------------
     def _forget(self, request_ids: list[str]) -> None:
-        """Drop the block-table rows and adapter slot pins of requests the step names as gone."""
+        """Drop the block-table rows, adapter slot pins and draft caches of requests the step names as gone."""
         for rid in request_ids:
             self.input_batch.remove(rid)
         if self.lora is not None:
             self.lora.forget(request_ids)
+        if self.drafter is not None:
+            self.drafter.forget(request_ids)
 
     def forget_all_requests(self) -> None:
         """After a step that raised part-way (the engine requeues every request to be recomputed): no
@@ -205,22 +213,33 @@ class ModelRunner:
         chunks = sorted(scheduler_output.scheduled,
                         key=lambda c: c.num_tokens + len(spec.get(c.request.request_id, ())) != 1)
         rows = [self.input_batch.add_chunk(c) for c in chunks]
+        draft_probs = None
+        if self.drafter is not None and spec:
+            spec, draft_probs = self._draft(chunks, spec)
         try:
-            return self._run(chunks, rows, spec)
+            return self._run(chunks, rows, spec, draft_probs)
         except Exception as error:
             if self.parallel is not None:  # every rank would have to retry in step: the engine stops instead
                 raise
             self._distrust_lora_slots()
             if len(chunks) == 1:
                 return ModelRunnerOutput(failed={chunks[0].request.request_id: _fault(chunks[0], error)})
-        return self._run_one_by_one(chunks, rows, spec)
+        return self._run_one_by_one(chunks, rows, spec, draft_probs)
 
-    def _run_one_by_one(self, chunks: list[ScheduledChunk], rows: list[int],
-                        spec: dict[str, list[int]]) -> ModelRunnerOutput:
+    def _draft(self, chunks: list[ScheduledChunk], slots: dict[str, list[int]]
+               ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor | None]]:
+        """The draft model's tokens for the scheduler's lookahead slots (as many per request), and their q."""
+        requests = [c.request for c in chunks if c.request.request_id in slots]
+        drafts, probs = self.drafter.propose(requests, [len(slots[r.request_id]) for r in requests], self.sampler)
+        ids = [r.request_id for r in requests]
+        return dict(zip(ids, drafts)), dict(zip(ids, probs))
+
+    def _run_one_by_one(self, chunks: list[ScheduledChunk], rows: list[int], spec: dict[str, list[int]],
+                        draft_probs: dict[str, torch.Tensor | None] | None = None) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
         for chunk, row in zip(chunks, rows):
             try:
-                alone = self._run([chunk], [row], spec)
+                alone = self._run([chunk], [row], spec, draft_probs)
             except Exception as error:
                 self._distrust_lora_slots()
                 out.failed[chunk.request.request_id] = _fault(chunk, error)
@@ -235,8 +254,10 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.slots.clear()
 
-    def _run(self, chunks: list[ScheduledChunk], rows: list[int], spec: dict[str, list[int]]) -> ModelRunnerOutput:
-        """Forward and sample `chunks` (their block-table rows already applied; `spec`: their draft tokens)."""
+    def _run(self, chunks: list[ScheduledChunk], rows: list[int], spec: dict[str, list[int]],
+             draft_probs: dict[str, torch.Tensor | None] | None = None) -> ModelRunnerOutput:
+        """Forward and sample `chunks` (their block-table rows already applied; `spec`: their draft tokens;
+        `draft_probs`: a draft model's q per speculating request, None for n-gram drafts)."""
         batch = build_model_input(chunks, rows, self.input_batch, self.block_size, self.device,
                                   self.config.engine.kv_cache_dtype, self.attention_backend, spec)
         if self.num_sms:
@@ -253,7 +274,7 @@ class ModelRunner:
         if logits is None:  # a TP rank other than 0: rank 0 gathered the logits and samples
             return ModelRunnerOutput()
         out = ModelRunnerOutput()
-        for request, tokens in zip(batch.emitting, self._sample(logits, batch)):
+        for request, tokens in zip(batch.emitting, self._sample(logits, batch, draft_probs)):
             if tokens[0] == INVALID_TOKEN:
                 out.failed[request.request_id] = (
                     f"request {request.request_id!r}: its logits are NaN or infinite, so no token can be sampled "
@@ -262,7 +283,8 @@ class ModelRunner:
                 out.sampled_token_ids[request.request_id] = tokens
         return out
 
-    def _sample(self, logits: torch.Tensor, batch: ModelInput) -> list[list[int]]:
+    def _sample(self, logits: torch.Tensor, batch: ModelInput,
+                draft_probs: dict[str, torch.Tensor | None] | None = None) -> list[list[int]]:
         """Each emitting request's tokens: the plain sampler's one for a row of its own, the rejection
         sampler's verdict over its 1 + k rows for a speculating request."""
         if batch.drafts is None:
@@ -278,8 +300,9 @@ class ModelRunner:
             for i, t in zip(plain, tokens):
                 result[i] = [t]
         if spec:
-            verdicts = self.rejection_sampler(logits[spec_rows], [batch.emitting[i] for i in spec],
-                                              [batch.drafts[i] for i in spec])
+            reqs = [batch.emitting[i] for i in spec]
+            q = None if draft_probs is None else [draft_probs[r.request_id] for r in reqs]
+            verdicts = self.rejection_sampler(logits[spec_rows], reqs, [batch.drafts[i] for i in spec], q)
             for i, tokens in zip(spec, verdicts):
                 result[i] = tokens
         return result

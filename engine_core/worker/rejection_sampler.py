@@ -25,6 +25,7 @@ from engine_core.request import Request
 from engine_core.worker.sampler import INVALID_TOKEN, Sampler, apply_top_k_top_p, draw_seed
 
 PLACEHOLDER = -1  # pads an output row past its emitted tokens
+UNIFORM_SALT = 0x2545F4914F6CDD1D  # separates the accept test's seeded draws from the sampling noise
 
 
 # seam: lab 10 (grader/seams.py)
@@ -90,10 +91,12 @@ class RejectionSampler:
     def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler  # its generators: unseeded draws share the engine's
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request],
-                 draft_token_ids: list[list[int]]) -> list[list[int]]:
+    def __call__(self, logits: torch.Tensor, requests: list[Request], draft_token_ids: list[list[int]],
+                 draft_probs: list[torch.Tensor | None] | None = None) -> list[list[int]]:
         """`logits` `[sum(1 + len(d)), V]` (fp32), each request's rows together, in order -> per request the
-        emitted tokens (1 to len(d) + 1), or [INVALID_TOKEN] when a row's logits are NaN or infinite."""
+        emitted tokens (1 to len(d) + 1), or [INVALID_TOKEN] when a row's logits are NaN or infinite.
+        `draft_probs` (a draft model's): per request q `[len(d), V]` its drafts were drawn from (None for a
+        greedy request); None for all: one-hot q (n-gram drafts)."""
         B, V = len(requests), logits.shape[1]
         K = max(len(d) for d in draft_token_ids)
         dev = logits.device
@@ -120,11 +123,32 @@ class RejectionSampler:
             probs = xs.softmax(dim=-1).reshape(len(sampled), K + 1, V)
             invalid[rows] |= probs.isnan().any(dim=2).any(dim=1)
             noise = self._noise([requests[i] for i in sampled], K, V).to(dev)
-            out[rows] = rejection_sample(probs, drafts[rows], num_draft[rows], None, noise)
+            q, uniforms = None, None
+            if draft_probs is not None:  # padded positions: uniform q, never read past num_draft
+                q = torch.full((len(sampled), K, V), 1.0 / V, device=dev)
+                for r, i in enumerate(sampled):
+                    q[r, :len(draft_token_ids[i])] = draft_probs[i].to(dev)
+                uniforms = self._uniforms([requests[i] for i in sampled], K).to(dev)
+            out[rows] = rejection_sample(probs, drafts[rows], num_draft[rows], uniforms, noise, q)
         result = []
         for i, tokens in enumerate(out.tolist()):
             result.append([INVALID_TOKEN] if bool(invalid[i]) else [t for t in tokens if t != PLACEHOLDER])
         return result
+
+    def _uniforms(self, requests: list[Request], K: int) -> torch.Tensor:
+        """U[0, 1) `[B, K]` for the accept test of a draft model's drafts: seeded rows from (seed, position)
+        with their own salt (independent of the noise), the rest from the engine's generator."""
+        u = torch.empty(len(requests), K)
+        g = self.sampler.seeded
+        for i, r in enumerate(requests):
+            seed = r.sampling_params.seed
+            if seed is None:
+                u[i].uniform_(generator=self.sampler.generator)
+                continue
+            for j in range(K):
+                g.manual_seed(draw_seed(seed ^ UNIFORM_SALT, r.num_output_tokens + j))
+                u[i, j].uniform_(generator=g)
+        return u
 
     def _noise(self, requests: list[Request], K: int, V: int) -> torch.Tensor:
         """Exp(1) noise `[B, K+1, V]`: row j of a seeded request is the plain sampler's draw for its output

@@ -146,6 +146,12 @@ ENGINE_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("parallel-with-speculation", dict(tensor_parallel_size=2, speculative_config={
         "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}),
      r"speculative_config must be None with tensor_parallel_size x pipeline_parallel_size = 2 > 1"),
+    ("draft-model-other-vocabulary", dict(speculative_config={
+        "method": "draft_model", "num_speculative_tokens": 2, "model": "small-llama"}),
+     r"speculative_config\['model'\]='small-llama' has vocab_size 8192; a draft model needs the target's vocabulary"),
+    ("draft-model-unknown", dict(speculative_config={
+        "method": "draft_model", "num_speculative_tokens": 2, "model": "no-such-draft"}),
+     r"speculative_config\['model'\]: model must be an existing checkpoint folder or one of the presets"),
     ("parallel-with-fp8-kv-cache", dict(pipeline_parallel_size=2, kv_cache_dtype="fp8"),
      r"kv_cache_dtype must be 'auto' with tensor_parallel_size x pipeline_parallel_size = 2 > 1"),
     ("nnodes-not-dividing-ranks", dict(tensor_parallel_size=2, pipeline_parallel_size=1, nnodes=3),

@@ -230,7 +230,7 @@ def test_drafts_fall_back_to_a_plain_decode_without_budget_or_blocks():
     ({**SPEC, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, r"prompt_lookup_max'\] must be an int >= 4"),
     ({**SPEC, "prompt_lookup_min": 0}, r"prompt_lookup_min'\] must be an int >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2}, r"needs prompt_lookup_min or prompt_lookup_max"),
-    ({**SPEC, "method": "eagle"}, r"speculative_config\['method'\] must be one of \('ngram',\)"),
+    ({**SPEC, "method": "eagle"}, r"speculative_config\['method'\] must be one of \('ngram', 'draft_model'\)"),
     ({**SPEC, "model": "x"}, r"unknown key\(s\) \['model'\]"),
     ("ngram", r"speculative_config must be None or a dict"),
 ])

@@ -185,3 +185,27 @@ def test_chat_bad_inputs_name_the_parameter(llm: LLM, kwargs: dict, match: str) 
 def test_chat_without_a_template_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="chat_template must be given"):
         LLM("tiny-llama").chat([{"role": "user", "content": "hi"}])
+
+
+def test_self_draft_preset_drops_the_middle_layers(folder: Path) -> None:
+    """smollm2-135m-instruct-draft (speculative_config method "draft_model"): 24 of 30 layers, the kept
+    ones renumbered (its layer 12 is the base's layer 18), everything else the base's."""
+    import json
+
+    from safetensors import safe_open
+
+    from engine_core.presets_real import DRAFT_PRESETS
+
+    draft = resolve_model("smollm2-135m-instruct-draft")
+    base_config = json.loads((folder / "config.json").read_text())
+    config = json.loads((draft / "config.json").read_text())
+    assert DRAFT_PRESETS["smollm2-135m-instruct-draft"] == (NAME, range(12, 18))
+    assert config == {**base_config, "num_hidden_layers": 24}
+    with safe_open(folder / "model.safetensors", "pt") as b, safe_open(draft / "model.safetensors", "pt") as d:
+        assert len(list(d.keys())) == len(list(b.keys())) - 6 * 9  # 9 tensors per layer
+        for ours, theirs in [("model.layers.11.mlp.up_proj.weight", "model.layers.11.mlp.up_proj.weight"),
+                             ("model.layers.12.self_attn.q_proj.weight", "model.layers.18.self_attn.q_proj.weight"),
+                             ("model.layers.23.input_layernorm.weight", "model.layers.29.input_layernorm.weight"),
+                             ("model.embed_tokens.weight", "model.embed_tokens.weight")]:
+            assert torch.equal(d.get_tensor(ours), b.get_tensor(theirs)), ours
+    assert (draft / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
