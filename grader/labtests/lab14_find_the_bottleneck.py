@@ -543,18 +543,19 @@ def test_engine_decode_step_cost_does_not_grow_with_the_batch(student):
 SPEED_WORKLOAD = dict(num=48, prompt_len=64, max_tokens=8)
 SPEED_ARGS = dict(num_gpu_blocks=2048)  # 4 MiB per K or V tensor and layer: what a copy of it costs shows
 PAIRS = 5  # a median of 5 pairs: one pair that straddles a burst of other work cannot move it
-# Measured on the loaded 2-core machine (load average 4 to 8), median of 3 to 5 alternating pairs, slow / fixed, in
-# CPU time on one torch thread (CLOCK): alone, after a torch.profiler run in the same process (as in the
-# notebook), and with tests/cpu_hog.py spinning on both cores. Whole runs: every fix 2.4x to 3.1x (the engine's
-# own per-step cost, the same in both, is most of a fixed run); the attention left slow 1.2x to 1.65x, the KV
-# write 1.8x to 2.1x: too close to a full fix to tell apart. Time inside the five functions: every fix 6.3x
-# (hog: the two vCPUs share caches, so even CPU time stretches) to 9.2x; the KV write left slow 2.8x to 3.4x,
-# the attention 2.5x. So the whole-run target, 1.5x, passes every correct fix under load (it says "faster
-# overall", nothing finer), and the inside-the-functions target, 4.5x (1.3x above the worst partial fix, 1.4x
-# under the hogged full fix), fails the KV write or the attention left slow. The sampler left slow (6.5x: its
-# share of this workload is small) and the two small ones are caught by their own checks above and by the
-# decode-step count.
-MIN_SPEEDUP, MIN_SEAM_SPEEDUP = 1.5, 4.5
+# Measured on the loaded 2-core machine (load average 4 to 8, and inside make test with a CPU hog), slow / fixed,
+# medians of 5 alternating pairs, in CPU time on one torch thread (CLOCK). Whole runs: every fix 2.4x to 3.1x (the
+# engine's own per-step cost, the same in both, is most of a fixed run); the attention left slow 1.2x to 1.65x,
+# the KV write 1.7x to 2.1x: too close to a full fix to tell apart. Time inside each function against its slow
+# version, every fix: write_kv 22x to 42x, attend 11.7x to 12.1x (sample 2.1x to 2.4x, remove_finished 2.9x to
+# 3.4x, block_tables 0.9x to 1.1x: this workload's tables are small); a function left slow: 0.9x to 1.0x. The
+# ratio of all five summed, the first design, fell from 6.3x-9.2x to 4.3x for the solution under make test and a
+# hog, and rose to 3.6x for a partial fix: one threshold could not separate them. Per function the gap is 10x. So:
+# whole runs >= 1.5x (faster overall, nothing finer), write_kv and attend each >= 4x (the two this workload
+# times well); the sampler, the block tables and the queue are caught by their own checks above (one host sync,
+# 256-row tables >= 8x, 1,000-request removal >= 20x) and by the decode-step count.
+TIMED_HERE = ("write_kv", "attend")
+MIN_SPEEDUP, MIN_FUNCTION_SPEEDUP = 1.5, 4.0
 
 
 def _timed(spent: dict[str, float]):
@@ -578,8 +579,8 @@ def test_engine_speedup_over_the_slow_engine(student):
     """48 requests (64-68 prompt tokens, 8 output tokens, a quarter seeded top-k/top-p sampling) through tiny-llama,
     with your functions and with the slow engine, in turn (PAIRS alternating pairs after one warm-up each): the same
     tokens; the median of slow time / your time over whole runs at least MIN_SPEEDUP, and over the time spent
-    inside the five functions at least MIN_SEAM_SPEEDUP (the engine's own per-step cost, the same in both, left
-    out: a bottleneck left in place shows there)."""
+    inside write_kv and inside attend, each against its slow version, at least MIN_FUNCTION_SPEEDUP (the engine's
+    own per-step cost, the same in both, left out: a bottleneck left in place shows there)."""
     workload = _workload(**SPEED_WORKLOAD)
     names = ("write_kv", "attend", "sample", "block_tables", "remove_finished")
 
@@ -588,7 +589,7 @@ def test_engine_speedup_over_the_slow_engine(student):
         with slow_engine(wrap=_timed(spent)):
             start = CLOCK()
             tokens = _run(workload, **SPEED_ARGS)
-            return CLOCK() - start, sum(spent.values()), tokens
+            return CLOCK() - start, spent, tokens
 
     def fixed():
         spent: dict[str, float] = {}
@@ -596,11 +597,11 @@ def test_engine_speedup_over_the_slow_engine(student):
         with plug(student, LAB, overrides={name: wrap(name, getattr(student, name)) for name in names}):
             start = CLOCK()
             tokens = _run(workload, **SPEED_ARGS)
-            return CLOCK() - start, sum(spent.values()), tokens
+            return CLOCK() - start, spent, tokens
     slow_tokens, fixed_tokens = slow()[2], fixed()[2]
     expect_equal(fixed_tokens, slow_tokens, "48 requests through tiny-llama: your engine's tokens against the slow "
                                             "engine's (the same tokens, only faster)")
-    whole, inside = [], []
+    whole, inside = [], {name: [] for name in names}
     with _one_thread():
         for i in range(PAIRS):
             if i % 2 == 0:
@@ -609,13 +610,18 @@ def test_engine_speedup_over_the_slow_engine(student):
                 fixed_run = fixed()
                 slow_run = slow()
             whole.append(slow_run[0] / fixed_run[0])
-            inside.append(slow_run[1] / fixed_run[1])
-    ratio, seam_ratio = statistics.median(whole), statistics.median(inside)
+            for name in names:
+                inside[name].append(slow_run[1].get(name, 0.0) / max(fixed_run[1].get(name, 0.0), 1e-9))
+    ratio = statistics.median(whole)
+    per_function = {name: statistics.median(r) for name, r in inside.items()}
     setup = f"48 requests through tiny-llama, median of {PAIRS} alternating pairs"
     expect_equal(ratio >= MIN_SPEEDUP, True, f"{setup}: your engine is {ratio:.2f}x faster than the slow one; the "
                                              f"target is {MIN_SPEEDUP}x")
-    expect_equal(seam_ratio >= MIN_SEAM_SPEEDUP, True, f"{setup}: the time inside your five functions is "
-                 f"{seam_ratio:.2f}x shorter than inside the slow ones; the target is {MIN_SEAM_SPEEDUP}x")
+    expect_equal({name: per_function[name] >= MIN_FUNCTION_SPEEDUP for name in TIMED_HERE},
+                 {name: True for name in TIMED_HERE},
+                 f"{setup}: time inside each of your functions against its slow version: "
+                 + ", ".join(f"{name} {r:.1f}x" for name, r in per_function.items())
+                 + f"; the target is {MIN_FUNCTION_SPEEDUP}x for " + " and ".join(TIMED_HERE))
 
 
 # ---- task 8: the OOM hunt ----------------------------------------------------------------------
