@@ -208,6 +208,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    # scheduled steps in flight at once (vLLM v1's batch queue): None = pipeline_parallel_size, so stage 0 runs
+    # step n + 1 while stage 1 runs step n; 1 = one step at a time (faster when the stages share too few cores:
+    # docs/benchmarks.md, "Pipeline stages overlapping")
+    max_concurrent_batches: int | None = None
     # machines the ranks span (vLLM's nnodes): this engine is node 0; the others run
     # `python -m engine_core.distributed.launch` (MASTER_ADDR, MASTER_PORT, NODE_RANK)
     nnodes: int = 1
@@ -282,6 +286,9 @@ class EngineConfig:
         self.tensor_parallel_size = check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         self.pipeline_parallel_size = check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         self.nnodes = check_int("nnodes", self.nnodes, 1)
+        self.max_concurrent_batches = check_int(
+            "max_concurrent_batches", self.max_concurrent_batches, 1, self.pipeline_parallel_size, optional=True,
+            hint="None = pipeline_parallel_size; more than one step per stage cannot be in flight")
         _need(self.world_size % self.nnodes == 0, "nnodes",
               f"a divisor of tensor_parallel_size x pipeline_parallel_size = {self.world_size} (every node hosts as "
               f"many ranks)", self.nnodes)

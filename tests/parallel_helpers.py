@@ -29,11 +29,12 @@ def stress_prompts(vocab_size: int) -> list[list[int]]:
     return [prefix + torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in (9, 14, 20, 25, 17, 28)]
 
 
-def engine_pair(preset: str, **parallel: Any) -> Iterator[tuple[str, LLM, LLM, float]]:
+def engine_pair(preset: str, both: dict[str, Any] | None = None,
+                **parallel: Any) -> Iterator[tuple[str, LLM, LLM, float]]:
     """A module fixture's body: (preset, the one-process engine, the parallel one, its startup seconds)
-    with the STRESS settings (`parallel` may override them for both); the parallel engine is shut down
-    after, leaving no process."""
-    settings = {**STRESS, **{k: v for k, v in parallel.items() if k in STRESS}}
+    with the STRESS settings (`parallel` may override them for both; `both`: more settings for both, e.g.
+    the device); the parallel engine is shut down after, leaving no process."""
+    settings = {**STRESS, **{k: v for k, v in parallel.items() if k in STRESS}, **(both or {})}
     reference = LLM(preset, **settings)
     t0 = time.perf_counter()
     llm = LLM(preset, **{**settings, **parallel})
@@ -61,7 +62,7 @@ def last_row_logits(runner: ModelRunner, prompts: list[list[int]]) -> list[torch
         with torch.inference_mode():
             hidden = runner.model(model_input.input_ids, model_input.positions, scratch, model_input.attn_metadata)
             logits = None if hidden is None else runner.model.compute_logits(hidden)
-        out.append(None if logits is None else logits[0].clone())
+        out.append(None if logits is None else logits[0].clone().cpu())  # a CUDA rank replies with host tensors
     return out
 
 

@@ -120,7 +120,8 @@ class MultiprocExecutor(Executor):
         self.step_timeout_s = STEP_TIMEOUT_S
         self._dead: str | None = None
         self._comm: list[dict[str, float]] = [{} for _ in range(self.world_size)]
-        self.max_concurrent_batches = e.pipeline_parallel_size  # one step per stage can be in flight
+        # one step per stage can be in flight; fewer when the config asks
+        self.max_concurrent_batches = e.max_concurrent_batches or e.pipeline_parallel_size
         self._in_flight: deque[PendingCall] = deque()  # sent, replies not read yet, oldest first
         context = mp.get_context("spawn")
         init_method = "env://" if e.nnodes > 1 else f"tcp://127.0.0.1:{free_port()}"

@@ -5,7 +5,9 @@ prefill, prefix caching and recompute preemption (one scheduler decides a preemp
 forgets the request's rows from the same message), and the same logits: a stage runs exactly the
 arithmetic the whole model runs, so the only tolerance is for GEMM blocking with another thread count
 (bit-identical on the 2-core test machine; 1e-5 allowed). A worker whose call raises ends the engine
-with its traceback, leaving no process (last test: it stops this file's engine)."""
+with its traceback, leaving no process (last test: it stops this file's engine). This file's engine runs
+one step at a time (`max_concurrent_batches=1`), so its schedule, preemptions included, is one process's;
+the stages overlapping is test_parallel_pp_overlap.py's."""
 from __future__ import annotations
 
 import pytest
@@ -22,13 +24,20 @@ PP_TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def engines():
-    yield from engine_pair("tiny-llama", pipeline_parallel_size=2)
+    yield from engine_pair("tiny-llama", pipeline_parallel_size=2, max_concurrent_batches=1)
 
 
 def test_logits_match_one_process(engines):
     _, one, pp, _ = engines
     prompts = stress_prompts(one.engine.vocab_size)
     assert (engine_logits(one, prompts) - engine_logits(pp, prompts)).abs().max().item() <= PP_TOL
+
+
+def test_one_step_at_a_time_when_the_config_says_so(engines):
+    _, one, pp, _ = engines
+    assert pp.engine.batch_queue_size == 1 and pp.engine.executor.max_concurrent_batches == 1
+    pp.generate(stress_prompts(one.engine.vocab_size), use_tqdm=False)
+    assert pp.engine.stats()["max_batches_in_flight"] == 1
 
 
 def test_each_stage_caches_its_own_layers(engines):

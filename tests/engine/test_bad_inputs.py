@@ -156,6 +156,9 @@ ENGINE_CASES: list[tuple[str, dict[str, Any], str]] = [
      r"kv_cache_dtype must be 'auto' with tensor_parallel_size x pipeline_parallel_size = 2 > 1"),
     ("nnodes-not-dividing-ranks", dict(tensor_parallel_size=2, pipeline_parallel_size=1, nnodes=3),
      r"nnodes must be a divisor of tensor_parallel_size x pipeline_parallel_size = 2 \(every node hosts as many"),
+    ("max-concurrent-batches-beyond-stages", dict(pipeline_parallel_size=2, max_concurrent_batches=3),
+     r"max_concurrent_batches must be None or an int in \[1, 2\] \(None = pipeline_parallel_size; more than one "
+     r"step per stage cannot be in flight\), got 3"),
     ("executor-backend-unknown", dict(distributed_executor_backend="ray"),
      r"distributed_executor_backend must be one of \[None, 'uni', 'mp'\], got 'ray'"),
     ("executor-backend-uni-with-tp", dict(tensor_parallel_size=2, distributed_executor_backend="uni"),
