@@ -110,14 +110,16 @@ bench-kernels: venv
 
 # Every GPU acceptance line in one command, under 5 minutes on an H100/H200 (each part has a hard time limit): the
 # tests of the compiled Triton kernels, the fp8 KV cache, flash-decoding and CUDA graphs, then the kernel benchmark's
-# acceptance shapes (bf16 decode bandwidth, splits at B=1 x 32k, fp8 vs bf16 at B=64 x 4k). Without CUDA: exit 2.
+# acceptance shapes (bf16 decode bandwidth, splits at B=1 x 32k, fp8 vs bf16 at B=64 x 4k), then the quantized GEMMs
+# (Triton W4A16 and fp8 vs bf16 at M = 1, 16, 64, 256; benchmarks/quant_kernels.py). Without CUDA: exit 2.
 GPU_TESTS := tests/kernels tests/engine/test_fp8_engine.py tests/worker/test_kv_cache.py
 gpu-check: venv
 	@$(PY) -c 'import sys, torch; torch.cuda.is_available() or sys.exit(f"make gpu-check: torch {torch.__version__} \
 	sees no CUDA device, so there is nothing to check here (on a CPU machine: make test)")'
 	@status=0; \
-	timeout 200 $(PY) -m pytest -q -p no:cacheprovider $(GPU_TESTS) || status=1; \
-	timeout 100 $(PY) -m benchmarks.kernels --acceptance --repeats 10 || status=1; \
+	timeout 180 $(PY) -m pytest -q -p no:cacheprovider $(GPU_TESTS) || status=1; \
+	timeout 85 $(PY) -m benchmarks.kernels --acceptance --repeats 10 || status=1; \
+	timeout 35 $(PY) -m benchmarks.kernels --quant --repeats 10 || status=1; \
 	if [ $$status = 0 ]; then echo "make gpu-check: PASS"; else echo "make gpu-check: FAIL (see above)"; fi; exit $$status
 
 # Multi-LoRA throughput table (docs/lora.md): CPU (one thread: steadier on a shared machine), small-llama;

@@ -1,0 +1,85 @@
+"""FP8 GEMM: float8_e4m3fn activations times float8_e4m3fn weights, fp32 accumulation, the scales applied
+once to the accumulator (vLLM's `Fp8LinearMethod` shapes; `kernels.quant_reference.fp8_gemm` is the contract).
+
+y[m, n] = sum_k a[m, k] * w[n, k] * a_scale[m or 0] * w_scale[n or 0]: a scale that is per token or per
+channel factors out of the sum over k, so the tensor cores multiply the raw fp8 codes (sm_89 / sm_90: twice
+bf16's rate, half its bytes) and the epilogue multiplies one row scale and one column scale. The weight is
+read as stored, `[N, K]` with K contiguous (the K-major operand the fp8 tensor-core instructions want).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.quant_reference import check_fp8
+from kernels.triton._common import INTERPRET, check_device
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K,
+                     stride_am, stride_wn, stride_om,
+                     A_PER_TOKEN: tl.constexpr, W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = rm < M, rn < N
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        a = tl.load(a_ptr + rm[:, None].to(tl.int64) * stride_am + k[None, :],
+                    mask=m_mask[:, None] & (k < K)[None, :], other=0.0)
+        b = tl.load(w_ptr + rn[None, :].to(tl.int64) * stride_wn + k[:, None],
+                    mask=(k < K)[:, None] & n_mask[None, :], other=0.0)  # w.T tile [BLOCK_K, BLOCK_N]
+        if UPCAST:  # the interpreter multiplies fp8 wrongly: exact fp32 products of the codes instead
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, b, out_dtype=tl.float32)
+    if A_PER_TOKEN:
+        sa = tl.load(a_scale_ptr + rm, mask=m_mask, other=0.0)
+    else:
+        sa = tl.load(a_scale_ptr + tl.zeros([BLOCK_M], tl.int32))
+    if W_PER_CHANNEL:
+        sw = tl.load(w_scale_ptr + rn, mask=n_mask, other=0.0)
+    else:
+        sw = tl.load(w_scale_ptr + tl.zeros([BLOCK_N], tl.int32))
+    y = acc * sa[:, None] * sw[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def config(m: int, n: int, num_sms: int = 132) -> dict:
+    """Tiles per shape, as w4a16.config: BLOCK_M grows with M, BLOCK_N shrinks while the grid is smaller than
+    the GPU; the interpreter gets few wide programs."""
+    if INTERPRET:
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    block_n = 128
+    while block_n > 32 and triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < num_sms:
+        block_n //= 2
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, num_warps=8 if block_m >= 128 else 4, num_stages=3)
+
+
+def fp8_gemm(a_fp8: torch.Tensor, a_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+             out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(a @ w.T) * a_scale * w_scale (+ bias) `[M, N]` in `out_dtype` (contract: `kernels.quant_reference.fp8_gemm`)."""
+    check_fp8(a_fp8, a_scale, w_fp8, w_scale)
+    check_device(a_fp8, a_scale, w_fp8, w_scale, *([] if bias is None else [bias]))
+    (m, k), n = a_fp8.shape, w_fp8.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=a_fp8.device)
+    if m == 0 or n == 0:
+        return out
+    a_fp8 = a_fp8 if a_fp8.stride(1) == 1 else a_fp8.contiguous()
+    w_fp8 = w_fp8 if w_fp8.stride(1) == 1 else w_fp8.contiguous()
+    sa, sw = a_scale.float().reshape(-1).contiguous(), w_scale.float().reshape(-1).contiguous()
+    sms = torch.cuda.get_device_properties(a_fp8.device).multi_processor_count if a_fp8.is_cuda else 132
+    cfg = config(m, n, sms)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    _fp8_gemm_kernel[grid](a_fp8, w_fp8, sa, sw, sw if bias is None else bias.contiguous(), out, m, n, k,
+                           a_fp8.stride(0), w_fp8.stride(0), out.stride(0),
+                           A_PER_TOKEN=sa.numel() > 1, W_PER_CHANNEL=sw.numel() > 1,
+                           HAS_BIAS=bias is not None, UPCAST=INTERPRET, **cfg)
+    return out
