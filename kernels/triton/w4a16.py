@@ -2,9 +2,10 @@
 `w4a16_gemm` is the contract).
 
 The idea of exllama's and Marlin's kernels without their hand-tuned layouts: the weight stays packed in
-memory (0.5 bytes a value plus a scale and a zero per group), each program streams its `[BLOCK_K, BLOCK_N]`
-tile of words, unpacks the nibbles in registers (word k // 8, shift 4 * (k % 8)), dequantizes them with its
-group's scale and zero and feeds the tensor cores in the activations' dtype, accumulating in fp32. Decode
+memory (0.5 bytes a value plus a scale and a zero per group), each program streams its `[BLOCK_K / 8, BLOCK_N]`
+tile of words (each read once), unpacks the 8 nibbles of each in registers (K row 8r + j is nibble j of word
+row r), dequantizes them with its group's scale and zero and feeds the tensor cores in the activations' dtype,
+accumulating in fp32. Decode
 (M small) is bound by the weight bytes, so reading a quarter of bf16's bytes is the whole speedup.
 BLOCK_K divides the group size, so a K tile has one scale and one zero per column (one row load). Integer
 zeros (GPTQ, AWQ) dequantize as (q - z) * s, float ones (GGUF Q4_1's minimum) as q * s + zero.
@@ -31,8 +32,9 @@ def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, 
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = rm < M, rn < N
     rk = tl.arange(0, BLOCK_K)
-    shifts = (rk % 8) * 4
-    w_mask = (rk < BLOCK_K)[:, None] & n_mask[None, :]
+    rw = tl.arange(0, BLOCK_K // 8)  # the tile's words along K: each word is read once, unpacked in registers
+    shifts = tl.arange(0, 8) * 4
+    w_mask = (rw < BLOCK_K // 8)[:, None] & n_mask[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (BLOCK_K divides GROUP_SIZE, which divides K)
         k = k0 + rk
@@ -41,8 +43,10 @@ def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, 
         else:
             cols = k
         a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=m_mask[:, None], other=0.0)
-        words = tl.load(qweight_ptr + (k // 8)[:, None].to(tl.int64) * stride_qk + rn[None, :], mask=w_mask, other=0)
-        q = ((words >> shifts[:, None]) & 0xF).to(tl.float32)  # [BLOCK_K, BLOCK_N]
+        words = tl.load(qweight_ptr + (k0 // 8 + rw)[:, None].to(tl.int64) * stride_qk + rn[None, :], mask=w_mask,
+                        other=0)
+        q = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]: K row 8r + j
+        q = tl.reshape(q, (BLOCK_K, BLOCK_N)).to(tl.float32)
         g = k0 // GROUP_SIZE
         s = tl.load(scales_ptr + g * stride_sg + rn, mask=n_mask, other=0.0).to(tl.float32)
         z = tl.load(zeros_ptr + g * stride_zg + rn, mask=n_mask, other=0).to(tl.float32)
