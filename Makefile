@@ -19,7 +19,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-kernels bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm gpu-check labs grade clean
+.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-kernels bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm bench-act-order gpu-check labs grade clean
 
 venv: $(STAMP)
 
@@ -150,6 +150,11 @@ quant-accuracy: venv
 
 quant-gemm: venv
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.quant_gemm $(QUANT_GEMM_ARGS)
+
+# Act-order GPTQ on CPU: the K-permuted int4 kernel path against the per-column reference path (docs/weight_quantization.md,
+# SmolLM2's projection shapes, one thread, about 15 s).
+bench-act-order: venv
+	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.act_order
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
