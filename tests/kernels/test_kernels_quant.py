@@ -19,6 +19,8 @@ N, FP8 = 40, torch.float8_e4m3fn
 # fp32 accumulation in another order than the oracle: |err| <= ~K * u32 * sum|terms| (K <= 256 here, u32 = 6e-8);
 # 1e-5 leaves a wide margin. fp16 inputs and int4 levels times fp16 scales are exact in fp32.
 REL = 1e-5
+# the interpreter computes bf16 wrongly (docs/architecture.md): bf16 only where the kernels are compiled
+BF16_CASES = [(17, 128, 64, True, False, torch.bfloat16)] if torch.cuda.is_available() else []
 UNIT = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}  # unit roundoff of the output
 
 
@@ -66,7 +68,7 @@ def _w4_case(gen: torch.Generator, m: int, k: int, group: int, act_order: bool, 
 @pytest.mark.parametrize("m, k, group, act_order, float_zeros, dtype", [
     (1, 128, 32, False, False, torch.float16), (5, 128, 64, True, False, torch.float16),
     (19, 256, 128, False, False, torch.float32), (19, 128, 32, True, False, torch.float32),
-    (3, 64, 32, False, True, torch.float16)], ids=str)
+    (3, 64, 32, False, True, torch.float16)] + BF16_CASES, ids=str)
 def test_w4a16_matches_the_oracle(seed: int, device: torch.device, backend: str, m: int, k: int, group: int,
                                   act_order: bool, float_zeros: bool, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(seed)
