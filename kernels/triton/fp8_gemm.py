@@ -51,6 +51,15 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, 
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+def check_fp8_support(device: torch.device) -> None:
+    """fp8 tensor-core MMAs exist from sm_89 (Ada, Hopper) on: an A100 (sm_80) cannot run this GEMM."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise RuntimeError(f"the fp8 GEMM needs a GPU of compute capability >= 8.9 (Ada or Hopper) for fp8 tensor "
+                           f"cores; {torch.cuda.get_device_name(device)} is {major}.{minor}: use an fp16/bf16 scheme "
+                           f"(or W8A16 / W4A16) there")
+
+
 def config(m: int, n: int, num_sms: int = 132) -> dict:
     """Tiles per shape, as w4a16.config: BLOCK_M grows with M, BLOCK_N shrinks while the grid is smaller than
     the GPU; the interpreter gets few wide programs."""
@@ -68,6 +77,7 @@ def fp8_gemm(a_fp8: torch.Tensor, a_scale: torch.Tensor, w_fp8: torch.Tensor, w_
     """(a @ w.T) * a_scale * w_scale (+ bias) `[M, N]` in `out_dtype` (contract: `kernels.quant_reference.fp8_gemm`)."""
     check_fp8(a_fp8, a_scale, w_fp8, w_scale)
     check_device(a_fp8, a_scale, w_fp8, w_scale, *([] if bias is None else [bias]))
+    check_fp8_support(a_fp8.device)
     (m, k), n = a_fp8.shape, w_fp8.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=a_fp8.device)
     if m == 0 or n == 0:

@@ -145,3 +145,14 @@ def test_bad_arguments_are_refused_naming_them(device: torch.device, backend: st
         kernels.fp8_gemm(a, one, w, torch.ones(2, 1, device=device), torch.float16, backend=backend)
     with pytest.raises(ValueError, match=r"w_fp8 must be 2-D float8_e4m3fn"):
         kernels.fp8_gemm(a, one, w.half(), one, torch.float16, backend=backend)
+
+
+def test_fp8_gemm_refuses_a_gpu_without_fp8_tensor_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An A100 (sm_80) has no fp8 MMA: a clear error before any launch (the device query is faked)."""
+    from kernels.triton import fp8_gemm as module
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(RuntimeError, match=r"compute capability >= 8.9 .* NVIDIA A100-SXM4-80GB is 8.0"):
+        module.check_fp8_support(torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    module.check_fp8_support(torch.device("cuda", 0))  # an H100 / H200 passes
