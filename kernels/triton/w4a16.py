@@ -5,8 +5,8 @@ The idea of exllama's and Marlin's kernels without their hand-tuned layouts: the
 memory (0.5 bytes a value plus a scale and a zero per group), each program streams its `[BLOCK_K / 8, BLOCK_N]`
 tile of words (each read once), unpacks the 8 nibbles of each in registers (K row 8r + j is nibble j of word
 row r), dequantizes them with its group's scale and zero and feeds the tensor cores in the activations' dtype,
-accumulating in fp32. Decode
-(M small) is bound by the weight bytes, so reading a quarter of bf16's bytes is the whole speedup.
+accumulating in fp32. Decode (M small) is bound by the weight bytes, so reading a quarter of bf16's bytes is the
+whole speedup; split-K (_gemm_tiles.py) puts enough programs on the GPU to stream them at the HBM rate.
 BLOCK_K divides the group size, so a K tile has one scale and one zero per column (one row load). Integer
 zeros (GPTQ, AWQ) dequantize as (q - z) * s, float ones (GGUF Q4_1's minimum) as q * s + zero.
 
@@ -21,11 +21,12 @@ import triton.language as tl
 
 from kernels.quant_reference import check_w4a16
 from kernels.triton._common import INTERPRET, check_device, dot, upcast_dot
+from kernels.triton._gemm_tiles import gemm_tiles
 
 
 @triton.jit
-def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, M, N, K,
-                  stride_xm, stride_qk, stride_sg, stride_zg, stride_om,
+def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, M, N, K, tiles_per_split,
+                  stride_xm, stride_qk, stride_sg, stride_zg, stride_os, stride_om,
                   GROUP_SIZE: tl.constexpr, HAS_PERM: tl.constexpr, FLOAT_ZEROS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -35,8 +36,11 @@ def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, 
     rw = tl.arange(0, BLOCK_K // 8)  # the tile's words along K: each word is read once, unpacked in registers
     shifts = tl.arange(0, 8) * 4
     w_mask = (rw < BLOCK_K // 8)[:, None] & n_mask[None, :]
+    split = tl.program_id(2)  # split-K: this program's contiguous range of K tiles (_gemm_tiles.py)
+    k_begin = split * tiles_per_split * BLOCK_K
+    k_end = tl.minimum(K, k_begin + tiles_per_split * BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (BLOCK_K divides GROUP_SIZE, which divides K)
+    for k0 in range(k_begin, k_end, BLOCK_K):  # K % BLOCK_K == 0 (BLOCK_K divides GROUP_SIZE, which divides K)
         k = k0 + rk
         if HAS_PERM:
             cols = tl.load(perm_ptr + k)
@@ -57,7 +61,8 @@ def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, 
         if not UPCAST:
             w = w.to(x_ptr.dtype.element_ty)
         acc += dot(a, w, UPCAST)
-    tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + split * stride_os + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
+             acc.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & n_mask[None, :])
 
 
@@ -69,21 +74,6 @@ def block_k_for(group_size: int) -> int:
     raise ValueError(f"group_size must be a multiple of 16 for the Triton W4A16 kernel, got {group_size}")
 
 
-def config(m: int, n: int, group_size: int, num_sms: int = 132) -> dict:
-    """Tiles per shape: BLOCK_M grows with M (decode rows fill one 16-row tile), BLOCK_N shrinks while the
-    grid has fewer programs than the GPU has SMs (decode's parallelism is only over N). The interpreter
-    gets wide tiles: its cost is per program."""
-    block_k = block_k_for(group_size)
-    if INTERPRET:
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, num_warps=4, num_stages=1)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    block_n = 128
-    while block_n > 32 and triton.cdiv(m, block_m) * triton.cdiv(n, block_n) < num_sms:
-        block_n //= 2
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8 if block_m >= 128 else 4,
-                num_stages=3)
-
-
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                group_size: int, perm: torch.Tensor | None = None) -> torch.Tensor:
     """x `[M, K]` fp16/bf16/fp32 @ the int4 weight `[N, K]`.T -> `[M, N]` in x's dtype (contract:
@@ -92,17 +82,18 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     check_device(x, qweight, scales, zeros, *([] if perm is None else [perm]))
     m, k = x.shape
     n = qweight.shape[1]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return out
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
     x = x if x.stride(1) == 1 else x.contiguous()
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     perm_arg = qweight if perm is None else perm.to(torch.int32).contiguous()  # unread without HAS_PERM
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-    cfg = config(m, n, group_size, sms)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
-    _w4a16_kernel[grid](x, qweight, scales, zeros, perm_arg, out, m, n, k,
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+    cfg, split, per_split = gemm_tiles(m, n, k, block_k_for(group_size), sms, INTERPRET)
+    # split-K partials in fp32, added in a fixed order; one split writes the output directly
+    out = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
+    _w4a16_kernel[grid](x, qweight, scales, zeros, perm_arg, out, m, n, k, per_split,
                         x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), out.stride(0),
-                        GROUP_SIZE=group_size, HAS_PERM=perm is not None,
+                        out.stride(1), GROUP_SIZE=group_size, HAS_PERM=perm is not None,
                         FLOAT_ZEROS=zeros.is_floating_point(), UPCAST=upcast_dot(x.dtype), **cfg)
-    return out
+    return out[0] if split == 1 else out.sum(dim=0).to(x.dtype)

@@ -14,6 +14,7 @@ import torch
 
 import kernels
 from kernels.quant_reference import act_order_permutation
+from kernels.triton._gemm_tiles import gemm_tiles
 
 N, FP8 = 40, torch.float8_e4m3fn
 # fp32 accumulation in another order than the oracle: |err| <= ~K * u32 * sum|terms| (K <= 256 here, u32 = 6e-8);
@@ -67,6 +68,7 @@ def _w4_case(gen: torch.Generator, m: int, k: int, group: int, act_order: bool, 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("m, k, group, act_order, float_zeros, dtype", [
     (1, 128, 32, False, False, torch.float16), (5, 128, 64, True, False, torch.float16),
+    (2, 256, 32, True, False, torch.float16),
     (19, 256, 128, False, False, torch.float32), (19, 128, 32, True, False, torch.float32),
     (3, 64, 32, False, True, torch.float16)] + BF16_CASES, ids=str)
 def test_w4a16_matches_the_oracle(seed: int, device: torch.device, backend: str, m: int, k: int, group: int,
@@ -98,7 +100,7 @@ def test_act_order_permutation_makes_groups_contiguous() -> None:
 def test_fp8_gemm_matches_the_oracle(seed: int, device: torch.device, backend: str, m: int, per_token: bool,
                                      per_channel: bool, bias: bool, out_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(seed)
-    k = 80  # not a multiple of the 32-wide K tile
+    k = 150  # not a multiple of the 32-wide K tile; 5 tiles: split in two where M <= 16 (_gemm_tiles.py)
     a = (torch.randn(m, k, generator=gen) * 4).to(FP8)
     w = (torch.randn(N, k, generator=gen) * 4).to(FP8)
     a_scale = torch.rand(m if per_token else 1, 1, generator=gen) + 0.5
@@ -156,3 +158,13 @@ def test_fp8_gemm_refuses_a_gpu_without_fp8_tensor_cores(monkeypatch: pytest.Mon
         module.check_fp8_support(torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     module.check_fp8_support(torch.device("cuda", 0))  # an H100 / H200 passes
+
+
+def test_split_k_where_decode_leaves_the_gpu_idle() -> None:
+    """M = 1 on 132 SMs: 128 output tiles of 64 columns, split 5 ways over K (>= 4 programs per SM); M = 256
+    already has the work and does not split; the interpreter's small cases above run both paths."""
+    cfg, split, per_split = gemm_tiles(1, 8192, 8192, 128, 132, interpret=False)
+    assert (cfg["BLOCK_N"], split, per_split) == (64, 5, 13)
+    assert gemm_tiles(256, 8192, 8192, 128, 132, interpret=False)[1] == 1
+    assert gemm_tiles(1, N, 128, 32, 1, interpret=True)[1] == 2 and gemm_tiles(19, N, 128, 32, 1, interpret=True)[1] == 1
+    assert gemm_tiles(5, N, 150, 32, 1, interpret=True)[1] == 2  # the fp8 cases' K: the last split is short
