@@ -112,7 +112,7 @@ bench-kernels: venv
 # tests of the compiled Triton kernels, the fp8 KV cache, flash-decoding and CUDA graphs, then the kernel benchmark's
 # acceptance shapes (bf16 decode bandwidth, splits at B=1 x 32k, fp8 vs bf16 at B=64 x 4k), then the quantized GEMMs
 # (Triton W4A16 and fp8 vs bf16 at M = 1, 16, 64, 256; benchmarks/quant_kernels.py). Without CUDA: exit 2.
-GPU_TESTS := tests/kernels tests/engine/test_fp8_engine.py tests/worker/test_kv_cache.py
+GPU_TESTS := tests/kernels tests/engine/test_fp8_engine.py tests/worker/test_kv_cache.py tests/models/test_quant_kernel_paths.py
 gpu-check: venv
 	@$(PY) -c 'import sys, torch; torch.cuda.is_available() or sys.exit(f"make gpu-check: torch {torch.__version__} \
 	sees no CUDA device, so there is nothing to check here (on a CPU machine: make test)")'

@@ -1,7 +1,7 @@
 """Which GEMM a 4-bit layer runs, and that each gives the checkpoint's product: act-order GPTQ stored with K
 permuted (the CPU int4 kernel instead of the per-column reference path), and the Triton W4A16 kernel that
-GPTQ, AWQ and GGUF layers take where the kernel backend is Triton (CUDA; here forced with
-KERNELS_BACKEND=triton, under the interpreter that tests/conftest.py turns on).
+GPTQ, AWQ and GGUF layers take where the kernel backend is Triton (CUDA, where `make gpu-check` runs this
+file; on CPU forced with KERNELS_BACKEND=triton, under the interpreter that tests/conftest.py turns on).
 
 The expected product is float64 from the checkpoint's own weight (test_packed_checkpoints' packers and
 `quantized`, which dequantize through g_idx column by column), not from the layer's code."""
@@ -62,16 +62,18 @@ def test_a_g_idx_with_uneven_groups_keeps_the_per_column_reference_path() -> Non
     assert torch.allclose(layer.quant_method.dequantized_weight(layer).double(), expected, rtol=2**-8, atol=0)
 
 
-def _forced_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kernels.triton._common as common
-    if not common.INTERPRET:
-        pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1 (on CUDA the engine takes them anyway)")
+def _triton_device(monkeypatch: pytest.MonkeyPatch) -> torch.device:
+    """CUDA where there is one (`make gpu-check` runs this file: the compiled kernel), else CPU tensors with the
+    backend forced to Triton (the interpreter)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
     monkeypatch.setenv("KERNELS_BACKEND", "triton")
+    return torch.device("cpu")
 
 
 @pytest.mark.parametrize("method", ["gptq-act-order", "awq"])
 def test_packed_layers_take_the_triton_kernel_where_the_backend_is_triton(monkeypatch, method: str) -> None:
-    _forced_triton(monkeypatch)
+    device = _triton_device(monkeypatch)
     w = torch.randn(40, 64, generator=torch.Generator().manual_seed(13))
     if method == "awq":
         tensors, expected = awq_tensors("p", w, 32)
@@ -79,15 +81,15 @@ def test_packed_layers_take_the_triton_kernel_where_the_backend_is_triton(monkey
     else:
         tensors, expected = gptq_tensors("p", w, 4, 32, True, True, seed=3)
         quant = ACT_ORDER
-    layer = _layer(tensors, quant, torch.float16)
+    layer = _layer({name: t.to(device) for name, t in tensors.items()}, quant, torch.float16)
     assert layer.w4a16_kernel and layer.weight_int4pack is None
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(14)).half()
-    err = (layer(x).double() - x.double() @ expected.double().t()).abs()
+    err = (layer(x.to(device)).cpu().double() - x.double() @ expected.double().t()).abs()
     assert bool((err <= _bound(x, expected, 2**-11)).all()), f"max |err| {err.max():.3g}"
 
 
 def test_a_gguf_q4_1_layer_takes_the_triton_kernel_with_float_zeros(monkeypatch) -> None:
-    _forced_triton(monkeypatch)
+    device = _triton_device(monkeypatch)
     n, k = 24, 64
     rng = np.random.default_rng(5)
     blocks = np.zeros((n * k // 32, 20), dtype=np.uint8)
@@ -95,10 +97,10 @@ def test_a_gguf_q4_1_layer_takes_the_triton_kernel_with_float_zeros(monkeypatch)
     blocks[:, 2:4] = np.frombuffer(np.float16(rng.uniform(-0.1, 0.0, len(blocks))).tobytes(), np.uint8).reshape(-1, 2)
     blocks[:, 4:] = rng.integers(0, 256, (len(blocks), 16), dtype=np.uint8)
     raw = torch.from_numpy(blocks.reshape(-1))
-    kernel = Linear(None, None, Q4_1LinearMethod(raw, n, k, torch.float16))
+    kernel = Linear(None, None, Q4_1LinearMethod(raw.to(device), n, k, torch.float16))
     assert kernel.w4a16_kernel and kernel.weight_int4pack is None
     reference = Linear(None, None, Q4_1LinearMethod(raw, n, k, torch.float32))
     expected = reference.quant_method.dequantized_weight(reference)  # q * d + m exactly, in fp32
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(15)).half()
-    err = (kernel(x).double() - x.double() @ expected.double().t()).abs()
+    err = (kernel(x.to(device)).cpu().double() - x.double() @ expected.double().t()).abs()
     assert bool((err <= _bound(x, expected, 2**-11)).all()), f"max |err| {err.max():.3g}"
