@@ -7,7 +7,7 @@
   w = q * d + m), w[n, k] = q[n, k] * s[g, n] + zeros[g, n]. `perm` (act-order, after `act_order_permutation`) is the K order the packed weight
   is stored in: stored column j is the checkpoint's column perm[j], so y = x[:, perm] @ W_stored.T.
 - FP8 (vLLM's scheme): `a` `[M, K]` and `w` `[N, K]` float8_e4m3fn, `a_scale` `[1]` (per tensor) or
-  `[M, 1]` (per token), `w_scale` `[1]` or `[N, 1]` (per channel), fp32; y[m, n] = (a @ w.T)[m, n] *
+  `[M, 1]` (per token), `w_scale` `[1]` or `[N, 1]` (per channel), fp32 (0-dim, `[M]` and `[N]` accepted too); y[m, n] = (a @ w.T)[m, n] *
   a_scale[m] * w_scale[n].
 Both accumulate in fp32 and round once to the output dtype.
 """
@@ -86,9 +86,8 @@ def check_fp8(a_fp8: torch.Tensor, a_scale: torch.Tensor, w_fp8: torch.Tensor, w
     (m, k), (n, kw) = a_fp8.shape, w_fp8.shape
     if k != kw:
         raise ValueError(f"w_fp8 must be [N, K] with a_fp8's K = {k}, got {tuple(w_fp8.shape)}")
-    if a_scale.numel() not in (1, m) or (a_scale.numel() == m and m != 1 and tuple(a_scale.shape) != (m, 1)):
-        raise ValueError(f"a_scale must be [1] (per tensor) or [M, 1] = [{m}, 1] (per token), got "
-                         f"{tuple(a_scale.shape)}")
-    if w_scale.numel() not in (1, n) or (w_scale.numel() == n and n != 1 and tuple(w_scale.shape) != (n, 1)):
-        raise ValueError(f"w_scale must be [1] (per tensor) or [N, 1] = [{n}, 1] (per channel), got "
-                         f"{tuple(w_scale.shape)}")
+    for name, t, count, per in (("a_scale", a_scale, m, "M"), ("w_scale", w_scale, n, "N")):
+        if tuple(t.shape) not in {(), (1,), (1, 1), (count,), (count, 1)}:
+            kind = "per token" if name == "a_scale" else "per channel"
+            raise ValueError(f"{name} must be [1] (per tensor) or [{per}, 1] = [{count}, 1] ({kind}; [{per}] is "
+                             f"read the same), got {tuple(t.shape)}")

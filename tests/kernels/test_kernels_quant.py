@@ -105,7 +105,8 @@ def test_fp8_gemm_matches_the_oracle(seed: int, device: torch.device, backend: s
     w = (torch.randn(N, k, generator=gen) * 4).to(FP8)
     a_scale = torch.rand(m if per_token else 1, 1, generator=gen) + 0.5
     w_scale = torch.rand(N if per_channel else 1, 1, generator=gen) + 0.5
-    a_scale, w_scale = a_scale if per_token else a_scale.reshape(1), w_scale if per_channel else w_scale.reshape(1)
+    a_scale = a_scale if per_token else a_scale.reshape(1)
+    w_scale = w_scale.reshape(-1) if per_channel and m == 5 else w_scale if per_channel else w_scale.reshape(1)  # [N] too
     b = torch.randn(N, generator=gen).to(out_dtype) if bias else None
     s = a_scale.double().reshape(-1, 1) * w_scale.double().reshape(1, -1)
     terms = a.double() @ w.double().t()
@@ -142,7 +143,7 @@ def test_bad_arguments_are_refused_naming_them(device: torch.device, backend: st
     a, w = torch.zeros(3, 64, dtype=FP8, device=device), torch.zeros(N, 64, dtype=FP8, device=device)
     one = torch.ones(1, device=device)
     with pytest.raises(ValueError, match=r"a_scale must be \[1\] \(per tensor\) or \[M, 1\] = \[3, 1\]"):
-        kernels.fp8_gemm(a, torch.ones(3, device=device), w, one, torch.float16, backend=backend)
+        kernels.fp8_gemm(a, torch.ones(1, 3, device=device), w, one, torch.float16, backend=backend)
     with pytest.raises(ValueError, match=r"w_scale must be \[1\] \(per tensor\) or \[N, 1\] = \[40, 1\]"):
         kernels.fp8_gemm(a, one, w, torch.ones(2, 1, device=device), torch.float16, backend=backend)
     with pytest.raises(ValueError, match=r"w_fp8 must be 2-D float8_e4m3fn"):
