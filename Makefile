@@ -19,7 +19,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-kernels bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm gpu-check labs grade clean
+.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-kernels bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm bench-act-order gpu-check labs grade clean
 
 venv: $(STAMP)
 
@@ -110,18 +110,21 @@ bench-kernels: venv
 
 # Every GPU acceptance line in one command, under 5 minutes on an H100/H200 (each part has a hard time limit): the
 # tests of the compiled Triton kernels, the fp8 KV cache, flash-decoding and CUDA graphs, then the kernel benchmark's
-# acceptance shapes (bf16 decode bandwidth, splits at B=1 x 32k, fp8 vs bf16 at B=64 x 4k), then NCCL: TP=2 and PP=2
-# against one GPU and the all-reduce fit (with fewer than 2 GPUs both print why they skip). Without CUDA: exit 2.
-GPU_TESTS := tests/kernels tests/engine/test_fp8_engine.py tests/worker/test_kv_cache.py tests/distributed/test_parallel_cuda.py
+# acceptance shapes (bf16 decode bandwidth, splits at B=1 x 32k, fp8 vs bf16 at B=64 x 4k), the quantized GEMMs
+# (Triton W4A16 and fp8 vs bf16 at M = 1, 16, 64, 256; benchmarks/quant_kernels.py), then NCCL: TP=2 and PP=2 against
+# one GPU and the all-reduce fit (with fewer than 2 GPUs both print why they skip). Without CUDA: exit 2.
+GPU_TESTS := tests/kernels tests/engine/test_fp8_engine.py tests/worker/test_kv_cache.py tests/models/test_quant_kernel_paths.py \
+	tests/distributed/test_parallel_cuda.py
 # a floor that catches NCCL falling back to sockets or host memory (a few GB/s): NVLink gives hundreds, PCIe 4 x16 ~20
 NCCL_MIN_BUS_GBS ?= 10
 gpu-check: venv
 	@$(PY) -c 'import sys, torch; torch.cuda.is_available() or sys.exit(f"make gpu-check: torch {torch.__version__} \
 	sees no CUDA device, so there is nothing to check here (on a CPU machine: make test)")'
 	@status=0; \
-	timeout 260 $(PY) -m pytest -q -p no:cacheprovider $(GPU_TESTS) || status=1; \
-	timeout 100 $(PY) -m benchmarks.kernels --acceptance --repeats 10 || status=1; \
-	timeout 100 $(PY) -m benchmarks.allreduce --backend nccl --repeats 10 --min-bandwidth-gbs $(NCCL_MIN_BUS_GBS) || status=1; \
+	timeout 165 $(PY) -m pytest -q -p no:cacheprovider $(GPU_TESTS) || status=1; \
+	timeout 70 $(PY) -m benchmarks.kernels --acceptance --repeats 10 || status=1; \
+	timeout 30 $(PY) -m benchmarks.kernels --quant --repeats 10 || status=1; \
+	timeout 35 $(PY) -m benchmarks.allreduce --backend nccl --repeats 10 --min-bandwidth-gbs $(NCCL_MIN_BUS_GBS) || status=1; \
 	if [ $$status = 0 ]; then echo "make gpu-check: PASS"; else echo "make gpu-check: FAIL (see above)"; fi; exit $$status
 
 # Multi-LoRA throughput table (docs/lora.md): CPU (one thread: steadier on a shared machine), small-llama;
@@ -152,6 +155,11 @@ quant-accuracy: venv
 
 quant-gemm: venv
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.quant_gemm $(QUANT_GEMM_ARGS)
+
+# Act-order GPTQ on CPU: the K-permuted int4 kernel path against the per-column reference path (docs/weight_quantization.md,
+# SmolLM2's projection shapes, one thread, about 15 s).
+bench-act-order: venv
+	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.act_order
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

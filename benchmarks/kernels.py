@@ -10,7 +10,8 @@ at batch 64 x 4k from an fp8 e4m3 cache; prefill at a few sizes. Three acceptanc
 report: bf16 decode at batch 64 x 4k reaches >= 70% of the copy bandwidth; the policy's split
 count beats num_splits=1 at batch 1 x 32k; the fp8 cache, half the KV bytes, makes that batch
 64 x 4k decode >= 1.5x faster. Exit status 1 if any fails. `--acceptance` times only the shapes
-those lines need, without the whole table, prefill and the tile sweep (`make gpu-check`).
+those lines need, without the whole table, prefill and the tile sweep (`make gpu-check`). `--quant` runs the
+weight-quantized GEMMs instead (benchmarks/quant_kernels.py: W4A16 and fp8 against bf16, two more lines).
 """
 from __future__ import annotations
 
@@ -276,12 +277,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (median)")
     parser.add_argument("--acceptance", action="store_true",
                         help="time only the shapes the acceptance lines need (no full table, no prefill, no tile sweep)")
+    parser.add_argument("--quant", action="store_true",
+                        help="only the weight-quantized GEMMs (Triton W4A16 and fp8 vs cuBLAS bf16 at M = 1, 16, 64, 256) "
+                             "and their acceptance lines (benchmarks/quant_kernels.py)")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
     if not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
         return 2
+    if args.quant:
+        from benchmarks import quant_kernels
+        print(f"{torch.cuda.get_device_name()}, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}")
+        return quant_kernels.main(Timer(args.repeats))
     torch.manual_seed(0)
     timer = Timer(args.repeats)
     device = torch.cuda.get_device_name()

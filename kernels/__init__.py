@@ -5,8 +5,9 @@
 - `cpu`: C kernels for CPU tensors (`kernels.cpu`: decode attention read in place, the cache
   write), built with the system compiler on first use; cases they do not cover run the reference;
 - `triton`: the Triton kernels (CUDA, or CPU tensors under the interpreter).
-The multi-LoRA ops (SGMV / BGMV, contracts in `kernels.lora_reference`) have a reference and a Triton
-version; the `cpu` backend runs their reference.
+The multi-LoRA ops (SGMV / BGMV, contracts in `kernels.lora_reference`) and the weight-quantized GEMMs
+(W4A16 and FP8, contracts in `kernels.quant_reference`) have a reference and a Triton version; the `cpu`
+backend runs their reference (a CPU W4A16 layer holds torch's int4 kernel layout instead: quantization/rtn.py).
 
 `auto` picks `triton` for CUDA tensors and `cpu` for CPU ones (`torch` if the C kernels cannot
 be built: a warning says why). A call or `KERNELS_BACKEND=torch|cpu|triton` in the environment
@@ -27,10 +28,10 @@ from typing import Callable
 
 import torch
 
-from kernels import lora_reference, reference
+from kernels import lora_reference, quant_reference, reference
 
-__all__ = ["KernelOps", "kernel_ops", "bgmv_expand", "bgmv_shrink", "paged_attention", "paged_attention_decode",
-           "reshape_and_cache", "resolve_backend", "sgmv_expand", "sgmv_shrink"]
+__all__ = ["KernelOps", "kernel_ops", "bgmv_expand", "bgmv_shrink", "fp8_gemm", "paged_attention",
+           "paged_attention_decode", "reshape_and_cache", "resolve_backend", "sgmv_expand", "sgmv_shrink", "w4a16_gemm"]
 
 BACKENDS = ("auto", "torch", "cpu", "triton")
 
@@ -157,3 +158,26 @@ def sgmv_expand(y: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, seg_star
         return lora_reference.sgmv_expand(y, t, lora_b, seg_starts, seg_slots, max_seg_len, scaling)
     from kernels.triton.lora import sgmv_expand as triton_op
     return triton_op(y, t, lora_b, seg_starts, seg_slots, max_seg_len, scaling)
+
+
+# ---- weight-quantized GEMMs (contracts in kernels.quant_reference) ---------------------------------------
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+               perm: torch.Tensor | None = None, *, backend: str = "auto") -> torch.Tensor:
+    """x `[M, K]` @ W.T for the int4 weight in GPTQ's layout (qweight `[K / 8, N]`, scales and zeros
+    `[K / group_size, N]`); `perm`: act-order's stored K order (x's columns are read through it)."""
+    if resolve_backend(backend, x.device) != "triton":
+        quant_reference.check_w4a16(x, qweight, scales, zeros, group_size, perm)
+        return quant_reference.w4a16_gemm(x, qweight, scales, zeros, group_size, perm)
+    from kernels.triton.w4a16 import w4a16_gemm as triton_op
+    return triton_op(x, qweight, scales, zeros, group_size, perm)
+
+
+def fp8_gemm(a_fp8: torch.Tensor, a_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,
+             out_dtype: torch.dtype, bias: torch.Tensor | None = None, *, backend: str = "auto") -> torch.Tensor:
+    """(a @ w.T) * a_scale * w_scale (+ bias) in `out_dtype`: float8_e4m3fn a `[M, K]` and w `[N, K]`,
+    a_scale `[1]` or `[M, 1]`, w_scale `[1]` or `[N, 1]` (vLLM's fp8 scheme)."""
+    if resolve_backend(backend, a_fp8.device) != "triton":
+        quant_reference.check_fp8(a_fp8, a_scale, w_fp8, w_scale)
+        return quant_reference.fp8_gemm(a_fp8, a_scale, w_fp8, w_scale, out_dtype, bias)
+    from kernels.triton.fp8_gemm import fp8_gemm as triton_op
+    return triton_op(a_fp8, a_scale, w_fp8, w_scale, out_dtype, bias)

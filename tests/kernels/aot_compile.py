@@ -12,7 +12,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.triton import cache, decode_attention, prefill_attention
+from kernels.triton import cache, decode_attention, fp8_gemm, prefill_attention, w4a16
+from kernels.triton._gemm_tiles import gemm_tiles
 
 TARGET = GPUTarget("cuda", 90, 32)
 H100_SMEM = 227 * 1024  # per-block shared memory limit on sm_90
@@ -63,6 +64,22 @@ def _variants() -> list[tuple[str, triton.JITFunction, dict, dict, dict]]:
                     dict(BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128, QUANTIZE=fp8_max > 0, FP8_MAX=fp8_max,
                          K_SCALE_IS_PTR=False, V_SCALE_IS_PTR=True, K_SCALE_STRIDE=0, V_SCALE_STRIDE=1),
                     dict(num_warps=4, num_stages=1)))
+    for m in (1, 256):  # decode and a large batch: the configs' two ends (K = N = 8192, as benchmarks.quant_kernels)
+        for act, perm, float_zeros in (("bf16", False, False), ("fp16", True, False), ("bf16", False, True)):
+            cfg = gemm_tiles(m, 8192, 8192, 128, 132, False)[0]
+            launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+            out.append((f"w4a16 M={m} {act} perm={perm} float_zeros={float_zeros}", w4a16._w4a16_kernel,
+                        dict(x_ptr=f"*{act}", qweight_ptr="*i32", scales_ptr=f"*{act}",
+                             zeros_ptr="*fp16" if float_zeros else "*u8", perm_ptr="*i32", out_ptr=f"*{act}"),
+                        dict(cfg, GROUP_SIZE=128, HAS_PERM=perm, FLOAT_ZEROS=float_zeros, UPCAST=False), launch))
+        for per_token, per_channel in ((True, True), (False, False)):
+            cfg = gemm_tiles(m, 8192, 8192, 128, 132, False)[0]
+            launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+            out.append((f"fp8_gemm M={m} per_token={per_token} per_channel={per_channel}", fp8_gemm._fp8_gemm_kernel,
+                        dict(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv", a_scale_ptr="*fp32", w_scale_ptr="*fp32",
+                             bias_ptr="*bf16", out_ptr="*bf16"),
+                        dict(cfg, A_PER_TOKEN=per_token, W_PER_CHANNEL=per_channel, HAS_BIAS=per_token, UPCAST=False),
+                        launch))
     return out
 
 

@@ -53,7 +53,7 @@ def test_split_heuristic(num_seqs: int, max_seq_len: int, expected: int) -> None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where there is no GPU")
-@pytest.mark.parametrize("args", [[], ["--acceptance", "--repeats", "5"]])
+@pytest.mark.parametrize("args", [[], ["--acceptance", "--repeats", "5"], ["--quant"]])
 def test_without_cuda_it_exits_with_a_clear_message(capsys: pytest.CaptureFixture[str], args: list[str]) -> None:
     assert bench.main(args) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
@@ -95,3 +95,16 @@ def test_gpu_check_runs_test_files_that_exist_and_the_acceptance_benchmark() -> 
     paths = pytest_line.split("no:cacheprovider", 1)[1].split("||")[0].split()
     assert paths and all((ROOT / p).exists() for p in paths), paths
     assert "-m benchmarks.kernels --acceptance" in commands
+    assert "-m benchmarks.kernels --quant" in commands  # the W4A16 / fp8 GEMM lines (benchmarks/quant_kernels.py)
+    limits = [int(t) for line in commands.splitlines() for a, t in zip(line.split(), line.split()[1:]) if a == "timeout"]
+    assert "-m benchmarks.allreduce --backend nccl" in commands  # the NCCL line (skips below two GPUs)
+    assert len(limits) == 4 and sum(limits) <= 300, limits  # one command under 5 minutes, whatever hangs
+
+
+# ---- --quant: the weight-quantized GEMM lines (benchmarks/quant_kernels.py) ------------------------------
+def test_quant_acceptance_needs_1_5x_for_w4a16_and_1_3x_for_fp8_at_m1() -> None:
+    from benchmarks.quant_kernels import QuantRow, acceptance
+    rows = [QuantRow(1, 30.0, 19.0, 22.0), QuantRow(256, 60.0, 90.0, 40.0)]  # 1.58x and 1.36x at M = 1
+    assert [ok for _, ok in acceptance(rows)] == [True, True]
+    rows = [QuantRow(1, 30.0, 21.0, 24.0), QuantRow(256, 60.0, 30.0, 20.0)]  # 1.43x and 1.25x: M = 256 does not count
+    assert [ok for _, ok in acceptance(rows)] == [False, False]

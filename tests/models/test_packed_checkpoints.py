@@ -126,7 +126,7 @@ def test_gptq_loads_the_group_wise_weight_exactly(bits: int, act_order: bool, mi
     quant = QuantizationConfig("gptq", bits, 16, desc_act=act_order, zeros_minus_one=minus_one)
     layer = _layer(tensors, ["p"], quant)
     assert torch.equal(_weight(layer), expected)
-    assert (layer.g_idx is not None) == act_order  # act-order keeps its g_idx; contiguous groups drop it
+    assert (layer.perm is not None) == act_order and layer.g_idx is None  # act-order: K permuted, groups contiguous
     if minus_one:  # the quirk matters: read as the v2 format, every weight shifts by one step
         shifted = _layer(tensors, ["p"], QuantizationConfig("gptq", bits, 16, desc_act=act_order))
         assert not torch.equal(_weight(shifted), expected)

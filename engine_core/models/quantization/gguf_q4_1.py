@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_core.models.quantization.base import LinearMethodBase, add_bias_residual
-from engine_core.models.quantization.rtn import int4pack_applies
+from engine_core.models.quantization.rtn import int4pack_applies, pack_along_k, run_w4a16_kernel, w4a16_kernel_applies
 
 Q4_1_BLOCK_WEIGHTS, Q4_1_BLOCK_BYTES = 32, 20
 
@@ -51,8 +51,10 @@ def q4_1_parts(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.T
 class Q4_1LinearMethod(LinearMethodBase):
     """The GGUF's Q4_1 blocks served as int4 (`quantization="gguf"`): torch's CPU kernel computes
     (q - 8) * scale + zero per group of 32, so scale = d and zero = m + 8d give q * d + m with no
-    re-rounding onto another grid (only d and m + 8d rounded to the activations' bf16/fp16). Other dtypes
-    and devices dequantize exactly and run `F.linear` (the reference path)."""
+    re-rounding onto another grid (only d and m + 8d rounded to the activations' bf16/fp16). On Triton (CUDA,
+    bf16/fp16) the nibbles go into GPTQ's layout and `kernels.w4a16_gemm` takes d and m as they are (fp16, the
+    file's own values) as scales and float zeros. Other dtypes and devices dequantize exactly and run
+    `F.linear` (the reference path)."""
 
     def __init__(self, raw: torch.Tensor, n: int, k: int, dtype: torch.dtype) -> None:
         self.parts, self.n, self.k, self.dtype = q4_1_parts(raw, n, k), n, k, dtype
@@ -63,8 +65,11 @@ class Q4_1LinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q, d, m = self.parts
         del self.parts
-        layer.weight_int4pack = layer.scales_and_zeros = layer.q = layer.d = layer.m = None
-        if int4pack_applies(q.device, self.dtype, 4, self.n):
+        layer.weight_int4pack = layer.scales_and_zeros = layer.q = layer.d = layer.m = layer.qweight = None
+        layer.dtype, layer.w4a16_kernel = self.dtype, w4a16_kernel_applies(q.device, self.dtype, 4, Q4_1_BLOCK_WEIGHTS)
+        if layer.w4a16_kernel:
+            layer.qweight, layer.d, layer.m = pack_along_k(q, 4), d.half(), m.half()  # exact: fp16 in the file
+        elif int4pack_applies(q.device, self.dtype, 4, self.n):
             layer.weight_int4pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             layer.scales_and_zeros = torch.stack([d, m + 8 * d], dim=-1).to(self.dtype).contiguous()
         else:
@@ -76,7 +81,9 @@ class Q4_1LinearMethod(LinearMethodBase):
         return layer.q.float() * layer.d.t().repeat_interleave(g, 1) + layer.m.t().repeat_interleave(g, 1)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if layer.weight_int4pack is None:
+        if layer.w4a16_kernel:
+            y = run_w4a16_kernel(layer, x, layer.d, layer.m, Q4_1_BLOCK_WEIGHTS)
+        elif layer.weight_int4pack is None:
             y = F.linear(x, self.dequantized_weight(layer).to(x.dtype))
         elif x.numel() == 0:
             y = x.new_zeros(*x.shape[:-1], self.n)
@@ -88,7 +95,7 @@ class Q4_1LinearMethod(LinearMethodBase):
         return add_bias_residual(y, layer.bias, residual)
 
     def weight_bytes(self, layer: nn.Module) -> int:
-        held = [layer.weight_int4pack, layer.scales_and_zeros, layer.q, layer.d, layer.m]
+        held = [layer.weight_int4pack, layer.scales_and_zeros, layer.q, layer.d, layer.m, layer.qweight]
         return sum(t.nbytes for t in held if t is not None)
 
 

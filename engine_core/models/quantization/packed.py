@@ -11,8 +11,11 @@ w[n, k] = (q[n, k] - zeros[g_idx[k], n]) * scales[g_idx[k], n]:
   groups are not contiguous: column k belongs to group g_idx[k].
 - AWQ (AutoAWQ GEMM): both pack along N in an interleaved order (awq.py); groups are contiguous.
 
-From there the layer is an `RTNLinearMethod`'s (the same reference path and CPU int4 kernel), except that
-act-order weights keep the reference path (the kernel wants contiguous groups; vLLM's kernels permute K).
+From there the layer is an `RTNLinearMethod`'s (the same reference path, CPU int4 kernel and Triton W4A16
+kernel). Act-order weights are stored with K permuted by `argsort(g_idx)` (exllama's and Marlin's trick:
+the groups become contiguous, so the grouped kernels apply) and each call reads x's columns in that order
+(`layer.perm`); a g_idx whose groups are not all `group_size` long (no such permutation) keeps the per-column
+reference path.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from engine_core.models.loader import read_config
 from engine_core.models.quantization import gptq, rtn
 from engine_core.models.quantization.awq import unpack_awq
 from engine_core.models.quantization.rtn import RTNLinearMethod
+from kernels.quant_reference import act_order_permutation
 
 PACKED_METHODS = ("gptq", "awq")
 Tensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -123,8 +127,8 @@ def fused_tensors(get: Callable[[str], torch.Tensor], has: Callable[[str], bool]
 
 
 class PackedLinearMethod(RTNLinearMethod):
-    """A GPTQ/AWQ projection: the checkpoint's integers and scales as `RTNLinearMethod` holds them, plus
-    `g_idx` where the groups are not contiguous (act-order: the reference path)."""
+    """A GPTQ/AWQ projection: the checkpoint's integers and scales as `RTNLinearMethod` holds them, act-order's
+    K permutation `perm` (or, where no permutation makes the groups contiguous, `g_idx`: the reference path)."""
 
     def __init__(self, quant: QuantizationConfig, tensors: Tensors, dtype: torch.dtype, cpu_kernel: bool = True
                  ) -> None:
@@ -140,11 +144,19 @@ class PackedLinearMethod(RTNLinearMethod):
         q, scales, zeros, g_idx = self.tensors
         del self.tensors
         contiguous = torch.equal(g_idx, torch.arange(q.shape[1], device=q.device, dtype=torch.int32) // self.group_size)
-        layer.g_idx = None if contiguous else g_idx
-        self.cpu_kernel = self.cpu_kernel and contiguous  # one method per layer (get_linear_method)
-        self.store(layer, q, scales, zeros, self.dtype)
+        perm = None if contiguous else act_order_permutation(g_idx, self.group_size)
+        layer.g_idx = None if contiguous or perm is not None else g_idx
+        self.cpu_kernel = self.cpu_kernel and layer.g_idx is None  # one method per layer (get_linear_method)
+        self.store(layer, q if perm is None else q[:, perm], scales, zeros, self.dtype)
+        layer.perm = None if perm is None else perm.to(torch.int32)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        """The checkpoint's weight `[N, K]` in its own K order (act-order's stored columns put back)."""
+        if layer.perm is not None:
+            stored = super().dequantized_weight(layer)
+            w = torch.empty_like(stored)
+            w[:, layer.perm.long()] = stored
+            return w
         if layer.g_idx is None:
             return super().dequantized_weight(layer)
         q = rtn.unpack_along_k(layer.qweight, self.bits).float()
@@ -152,4 +164,4 @@ class PackedLinearMethod(RTNLinearMethod):
         return ((q - z) * s).to(layer.dtype)
 
     def weight_bytes(self, layer: nn.Module) -> int:
-        return super().weight_bytes(layer) + (0 if layer.g_idx is None else layer.g_idx.nbytes)
+        return super().weight_bytes(layer) + sum(t.nbytes for t in (layer.g_idx, layer.perm) if t is not None)

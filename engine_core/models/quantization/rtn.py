@@ -16,14 +16,19 @@ The reference GEMM dequantizes to the model dtype on every call and runs `F.line
 bits: slow, correct; a faster path is the CPU-speed work). On CPU with 4 bits and bf16/fp16 activations (W4A16
 proper) the layer holds torch's int4 kernel layout instead
 (`_convert_weight_to_int4pack_for_cpu`) and multiplies with `_weight_int4pack_mm_for_cpu`, which
-dequantizes as (q - 8) * scale + zero: that is (q - z) * s with a float zero of (8 - z) * s.
+dequantizes as (q - 8) * scale + zero: that is (q - z) * s with a float zero of (8 - z) * s. Where the kernel
+backend is Triton (CUDA tensors), 4-bit bf16/fp16 layers keep GPTQ's layout and run the Triton W4A16
+dequant-in-GEMM (`kernels.w4a16_gemm`).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
 from engine_core.models.quantization.base import LinearMethodBase, add_bias_residual
 
 # fp32 is accepted by the kernel but takes a scalar path: 3.2 ms at M = 1 (K = 576, N = 3072, one thread) against
@@ -80,9 +85,30 @@ def int4pack_applies(device: torch.device, dtype: torch.dtype, bits: int, n: int
     return device.type == "cpu" and bits == 4 and dtype in _INT4PACK_DTYPES and n % 16 == 0
 
 
+def w4a16_kernel_applies(device: torch.device, dtype: torch.dtype, bits: int, group_size: int) -> bool:
+    """The Triton W4A16 kernel: 4 bits, bf16/fp16 activations, a group size it tiles (a multiple of 16), where
+    the kernel backend for `device` is Triton (CUDA; CPU tensors only with KERNELS_BACKEND=triton, under the
+    interpreter)."""
+    if bits != 4 or dtype not in _INT4PACK_DTYPES or group_size % 16:
+        return False
+    if device.type != "cuda" and os.environ.get("KERNELS_BACKEND") != "triton":
+        return False
+    return kernels.resolve_backend("auto", device) == "triton"
+
+
+def run_w4a16_kernel(layer: nn.Module, x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     group_size: int, perm: torch.Tensor | None = None) -> torch.Tensor:
+    """x `[..., K]` through the Triton kernel on the layer's `qweight` (`perm`: act-order's stored K order),
+    in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1]).to(layer.dtype)
+    y = kernels.w4a16_gemm(rows, layer.qweight, scales, zeros, group_size, perm, backend="triton")
+    return y.to(x.dtype).reshape(*x.shape[:-1], layer.output_size)
+
+
 class RTNLinearMethod(LinearMethodBase):
     """The layer holds `qweight`, `scales`, `zeros` (GPTQ's layout), or on CPU with 4 bits only the kernel's
-    copy (`weight_int4pack`, `scales_and_zeros`) for bf16/fp16 models; the dense weight is freed. `cpu_kernel=False` keeps the
+    copy (`weight_int4pack`, `scales_and_zeros`) for bf16/fp16 models; the dense weight is freed. On Triton
+    (CUDA) 4-bit bf16/fp16 layers run `kernels.w4a16_gemm` on GPTQ's layout. `cpu_kernel=False` keeps the
     reference path everywhere (tests compare the two)."""
 
     def __init__(self, bits: int, group_size: int, cpu_kernel: bool = True) -> None:
@@ -101,9 +127,10 @@ class RTNLinearMethod(LinearMethodBase):
               dtype: torch.dtype) -> None:
         """Hang (q `[N, K]`, scales fp32 `[K / g, N]`, zeros `[K / g, N]`) on `layer` in GPTQ's layout or the
         CPU kernel's (a GPTQ/AWQ checkpoint's loader, packed.py, arrives here with its unpacked tensors)."""
-        layer.dtype = dtype
+        layer.dtype, layer.perm = dtype, None
         layer.qweight = layer.scales = layer.zeros = layer.weight_int4pack = layer.scales_and_zeros = None
-        if self.cpu_kernel and int4pack_applies(q.device, dtype, self.bits, q.shape[0]):
+        layer.w4a16_kernel = self.cpu_kernel and w4a16_kernel_applies(q.device, dtype, self.bits, self.group_size)
+        if not layer.w4a16_kernel and self.cpu_kernel and int4pack_applies(q.device, dtype, self.bits, q.shape[0]):
             layer.weight_int4pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             float_zero = (8 - zeros.float()) * scales  # (q - 8) * s + (8 - z) * s = (q - z) * s
             layer.scales_and_zeros = torch.stack([scales, float_zero], dim=-1).to(dtype).contiguous()
@@ -117,12 +144,15 @@ class RTNLinearMethod(LinearMethodBase):
                                     self.group_size, layer.dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if layer.weight_int4pack is None:
+        if layer.w4a16_kernel:
+            y = run_w4a16_kernel(layer, x, layer.scales, layer.zeros, self.group_size, layer.perm)
+        elif layer.weight_int4pack is None:
             y = F.linear(x, self.dequantized_weight(layer).to(x.dtype))
         elif x.numel() == 0:
             y = x.new_zeros(*x.shape[:-1], layer.output_size)
-        else:  # the kernel takes 2-D rows in the weight's dtype
+        else:  # the kernel takes 2-D rows in the weight's dtype; act-order reads x's columns in the stored K order
             rows = x.reshape(-1, x.shape[-1]).to(layer.dtype)
+            rows = rows if layer.perm is None else rows.index_select(1, layer.perm)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, layer.weight_int4pack, self.group_size,
                                                              layer.scales_and_zeros)
             y = y.to(x.dtype).reshape(*x.shape[:-1], layer.output_size)
