@@ -179,7 +179,7 @@ class EngineConfig:
     """Everything `LLM(...)` / `LLMEngine(...)` accept besides the model.
 
     `None` means "derive it": `max_model_len` from the checkpoint, `num_gpu_blocks`
-    from `gpu_memory_utilization` (CUDA) or `kv_cache_memory_bytes` (CPU).
+    from `gpu_memory_utilization` (CUDA) or `kv_cache_memory_bytes` / `cpu_memory_bytes` (CPU).
     """
 
     model: str = "tiny-llama"
@@ -187,8 +187,8 @@ class EngineConfig:
     num_gpu_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # CPU budget for the KV cache; default 1 GiB
-    # CPU: the bytes weights (as their scheme stores them), a forward's activations and the KV cache share, the
-    # CPU's total x gpu_memory_utilization; the KV cache gets the rest. None: kv_cache_memory_bytes sizes it alone
+    # CPU: one limit for the weights (as their scheme stores them), a forward's activation peak and the KV cache
+    # together (CUDA's memory x gpu_memory_utilization); the KV cache gets what is left. None: kv_cache_memory_bytes
     cpu_memory_bytes: int | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 256
