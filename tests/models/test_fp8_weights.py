@@ -147,8 +147,8 @@ def test_weight_bytes() -> None:
 
 
 # ---- the whole engine ----------------------------------------------------------------------------
-PROMPTS = [[1, 5, 9, 44, 7], [1, 300, 2, 17, 17, 17, 80, 3, 90], [1, 64]]
-GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+PROMPTS = [[1, 5, 9, 44, 7], [1, 300, 2, 17, 17, 17, 80, 3, 90], [1, 64], [1, 200, 201, 202, 7, 7]]
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
 class FakeFp8(LinearMethodBase):
