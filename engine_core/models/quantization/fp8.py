@@ -10,12 +10,15 @@ output row, so the epilogue always reads a `[N]` vector. Activations: "activatio
 dynamic per-tensor: one amax over the step's rows) or "token" (one per row). `activation_scheme` is "dynamic"
 only (vLLM's "static" needs calibrated input scales this kit does not write for weights).
 
-Every product qx * qw of two e4m3 values has at most 8 significant bits, exact in fp32, so the fp32 sum differs
-from the exact one by accumulation order only; the errors are the roundings to fp8 (relative 2^-4 for normal
-values, absolute 2^-10 * scale for subnormals) and the fp32 epilogue. `torch._scaled_mm` computes the sum where
-it takes the shapes (CPU; CUDA with fp8 tensor cores, K and N multiples of 16) with unit scales, and the scales
-are applied here in fp32 (so every combination of strategies is the same kernel call); elsewhere, and in
-tests, the reference path dequantizes both sides to fp32 and runs `F.linear`. The LM head stays dense.
+Every product qx * qw of two e4m3 values has at most 8 significant bits, exact in fp32, so the only rounding in
+the GEMM is the fp32 accumulation's (about K u of the sum of magnitudes, in any order); the errors are the
+roundings to fp8 (relative 2^-4 for normal values, absolute 2^-10 * scale for subnormals) and the fp32 epilogue.
+`torch._scaled_mm` computes the sum where it takes the shapes (CPU; CUDA with fp8 tensor cores, K and N
+multiples of 16) with unit scales, and the scales are applied here in fp32 (so every combination of strategies
+is the same kernel call); elsewhere, and in tests, the reference path dequantizes both sides to fp32 and runs
+`F.linear`. On this kit's CPU `_scaled_mm` does no fp8 arithmetic (it converts the weight each call): correct
+and slower than fp32 at every batch (docs/weight_quantization.md). The CUDA branch is not yet run on a GPU
+here. The LM head stays dense.
 """
 from __future__ import annotations
 
