@@ -19,7 +19,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-kernels bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm bench-act-order gpu-check labs grade clean
+.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-kernels bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm bench-act-order quant-step gpu-check labs grade clean
 
 venv: $(STAMP)
 
@@ -151,7 +151,7 @@ fp8-accuracy: venv
 # smollm2-135m-instruct, 8 windows of 512 tokens of docs/data/eval_text.txt (about 5 min on 2 shared CPU cores).
 quant-accuracy: venv
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.perplexity --model smollm2-135m-instruct --max-tokens 4096 \
-		--quantization int8,int8-sq,rtn-g32,rtn-g64,rtn8-g32,bf16,gguf-bf16 $(QUANT_ARGS)
+		--quantization int8,int8-sq,rtn-g32,rtn-g64,rtn8-g32,bf16,gguf-bf16,fp8-tensor,fp8-channel $(QUANT_ARGS)
 
 quant-gemm: venv
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.quant_gemm $(QUANT_GEMM_ARGS)
@@ -160,6 +160,10 @@ quant-gemm: venv
 # SmolLM2's projection shapes, one thread, about 15 s).
 bench-act-order: venv
 	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.act_order
+
+# docs/weight_quantization.md's whole-step table: one decode step of smollm2-135m-instruct per scheme at M = 1 .. 256
+quant-step: venv
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.quant_step $(QUANT_STEP_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

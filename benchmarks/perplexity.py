@@ -56,7 +56,10 @@ MODES = ("dynamic", "dynamic per-head", "calibrated", "calibrated per-head", "dy
 FIRST_BATCH = [{"role": "user", "content": "What is the capital of France?"}]
 BLOCK_SIZE = 16
 WINDOWS_PER_FORWARD = 4
-QUANT_SCHEMES = ("int8", "int8-sq", "rtn-g32", "rtn-g64", "rtn-g128", "rtn8-g32", "rtn8-g128", "bf16", "gguf-bf16")
+QUANT_SCHEMES = ("int8", "int8-sq", "rtn-g32", "rtn-g64", "rtn-g128", "rtn8-g32", "rtn8-g128", "bf16", "gguf-bf16",
+                 "fp8-tensor", "fp8-channel")
+# fp8: per-tensor weights and activations (vLLM's online default), or per-channel weights and per-token activations
+_FP8_SCHEMES = {"fp8-tensor": ("tensor", "tensor"), "fp8-channel": ("channel", "token")}
 _BF16_SCHEMES = ("bf16", "gguf-bf16")  # rows in bf16 (the int4 kernel's activations); the others fp32
 
 
@@ -135,6 +138,10 @@ def quantization_kwargs(scheme: str, linear_amax: Path | None = None) -> dict[st
     if scheme == "gguf-bf16":  # the real preset's own Q4_1 blocks through the int4 kernel
         from engine_core.presets_real import gguf_path
         return dict(quantization="gguf", quantization_config={"file": str(gguf_path())})
+    if scheme in _FP8_SCHEMES:
+        weights, activations = _FP8_SCHEMES[scheme]
+        return dict(quantization="fp8", quantization_config={"weight_strategy": weights,
+                                                             "activation_strategy": activations})
     if scheme == "int8-sq":
         return dict(quantization="int8", quantization_config={"smoothquant": str(linear_amax), "alpha": 0.5})
     kind, group = scheme.split("-g")

@@ -83,7 +83,9 @@ class SpeculativeConfig:
 
 
 # vLLM's names: W8A8 int8, online round-to-nearest W4A16 (or W8A16), GPTQ and AWQ checkpoints
-QUANTIZATION_METHODS = ("int8", "rtn", "gptq", "awq", "gguf")
+QUANTIZATION_METHODS = ("int8", "rtn", "gptq", "awq", "gguf", "fp8")
+_FP8_OPTIONS = {"weight_strategy": ("tensor", "channel"), "activation_strategy": ("tensor", "token"),
+                "activation_scheme": ("dynamic",)}  # the first of each is the default (vLLM's online fp8)
 _RTN_BITS = (4, 8)
 _RTN_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's int4 kernels take
 
@@ -94,7 +96,9 @@ class QuantizationConfig:
     dynamic per-token int8 activations; bits 8, no groups) or "rtn" (group-wise asymmetric `bits`-bit weights
     with zero points, activations in the model dtype; `quantization_config={"bits": 4, "group_size": 128}`
     are the defaults), or "gptq" / "awq" (a pre-quantized checkpoint; its options come from its config.json), or
-    "gguf" (the projections' Q4_1 blocks from a GGUF file served as int4)."""
+    "gguf" (the projections' Q4_1 blocks from a GGUF file served as int4), or "fp8" (float8_e4m3fn weights quantized
+    at load, dynamic fp8 activations; `quantization_config={"weight_strategy": "tensor" or "channel",
+    "activation_strategy": "tensor" or "token"}`, "tensor" both by default, as vLLM's online fp8)."""
 
     method: str
     bits: int
@@ -111,6 +115,9 @@ class QuantizationConfig:
     # by Hugging Face name once load_model has read them
     file: str | None = None
     blocks: dict | None = field(default=None, compare=False, repr=False)
+    # fp8 (models/quantization/fp8.py): one weight scale per "tensor" or "channel", activations per "tensor" or "token"
+    weight_strategy: str | None = None
+    activation_strategy: str | None = None
 
     @classmethod
     def of(cls, quantization: Any, quantization_config: Any) -> "QuantizationConfig | None":
@@ -134,13 +141,18 @@ class QuantizationConfig:
         options = {} if quantization_config is None else quantization_config
         _need(isinstance(options, dict), "quantization_config", "None or a dict like {'bits': 4, 'group_size': 128}",
               options)
-        known = ("bits", "group_size") if method == "rtn" else ("smoothquant", "alpha")
+        known = {"rtn": ("bits", "group_size"), "int8": ("smoothquant", "alpha"), "fp8": tuple(_FP8_OPTIONS)}[method]
         unknown = sorted(str(k) for k in options if k not in known)
         if unknown:
             raise ValueError(f"quantization_config has unknown key(s) {unknown} for quantization={method!r}; "
                              f"allowed: {list(known)}")
         if method == "int8":
             return cls._int8(options)
+        if method == "fp8":
+            chosen = {k: check_choice(f"quantization_config[{k!r}]", options.get(k, allowed[0]), allowed)
+                      for k, allowed in _FP8_OPTIONS.items()}
+            return cls("fp8", 8, None, weight_strategy=chosen["weight_strategy"],
+                       activation_strategy=chosen["activation_strategy"])
         bits = options.get("bits", 4)
         _need(bits in _RTN_BITS and check_int("quantization_config['bits']", bits) == bits,
               "quantization_config['bits']", f"one of {_RTN_BITS}", bits)
@@ -167,7 +179,7 @@ class EngineConfig:
     """Everything `LLM(...)` / `LLMEngine(...)` accept besides the model.
 
     `None` means "derive it": `max_model_len` from the checkpoint, `num_gpu_blocks`
-    from `gpu_memory_utilization` (CUDA) or `kv_cache_memory_bytes` (CPU).
+    from `gpu_memory_utilization` (CUDA) or `kv_cache_memory_bytes` / `cpu_memory_bytes` (CPU).
     """
 
     model: str = "tiny-llama"
@@ -175,6 +187,9 @@ class EngineConfig:
     num_gpu_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # CPU budget for the KV cache; default 1 GiB
+    # CPU: one limit for the weights (as their scheme stores them), a forward's activation peak and the KV cache
+    # together (CUDA's memory x gpu_memory_utilization); the KV cache gets what is left. None: kv_cache_memory_bytes
+    cpu_memory_bytes: int | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -222,8 +237,9 @@ class EngineConfig:
     seed: int = 0
     # Speculative decoding (vLLM's dict; parsed into a SpeculativeConfig): None = off
     speculative_config: dict | SpeculativeConfig | None = None
-    # Weight quantization (docs/weight_quantization.md): None, "int8" (W8A8) or "rtn" (W4A16 group-wise);
-    # options in quantization_config ({"bits": 4 or 8, "group_size": 32 ... 256} for "rtn"). The LM head stays dense.
+    # Weight quantization (docs/weight_quantization.md): None, "int8" (W8A8), "rtn" (W4A16 group-wise), "fp8" (W8A8
+    # float8_e4m3fn), "gptq" / "awq" / "gguf" (pre-quantized); options in quantization_config ({"bits": 4 or 8,
+    # "group_size": 32 ... 256} for "rtn"). The LM head stays dense.
     quantization: str | None = None
     quantization_config: dict | None = None
 
@@ -237,6 +253,10 @@ class EngineConfig:
         self.gpu_memory_utilization = check_real("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0,
                                                  lo_open=True)
         self.kv_cache_memory_bytes = check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
+        self.cpu_memory_bytes = check_int("cpu_memory_bytes", self.cpu_memory_bytes, 1, optional=True)
+        _need(self.cpu_memory_bytes is None or self.kv_cache_memory_bytes is None, "cpu_memory_bytes",
+              "None when kv_cache_memory_bytes is given (a total budget and a KV-only one are alternatives)",
+              self.cpu_memory_bytes)
         self.max_model_len = check_int("max_model_len", self.max_model_len, 1, optional=True)
         self.max_num_seqs = check_int("max_num_seqs", self.max_num_seqs, 1)
         self.max_num_batched_tokens = check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)

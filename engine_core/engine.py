@@ -53,6 +53,7 @@ from engine_core.request import CompletionOutput, Request, RequestOutput, Reques
 from engine_core.validation import check_int, check_real, fail
 from engine_core.worker.draft_model import check_draft_model
 from engine_core.worker.model_runner import ModelRunner, weight_bytes as runner_weight_bytes
+from engine_core.worker.model_runner import weight_bytes_by_scheme as runner_weight_bytes_by_scheme
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -69,6 +70,10 @@ class LLMEngine:
         self.kv_cache_config: KVCacheConfig = self.executor.determine_kv_cache_config()
         self.executor.initialize_kv_cache(self.kv_cache_config)
         self.weight_bytes = sum(self.executor.collective_rpc(runner_weight_bytes))  # every rank's shard
+        self.weight_bytes_by_scheme: dict[str, int] = {}
+        for part in self.executor.collective_rpc(runner_weight_bytes_by_scheme):
+            for name, nbytes in part.items():
+                self.weight_bytes_by_scheme[name] = self.weight_bytes_by_scheme.get(name, 0) + nbytes
         self.cost_model = PreemptionCostModel.for_device(
             self.model_config.args.model_spec(), self.config.kv_cache_dtype, self.config.device.type,
             config.prefill_flops_per_s, config.swap_bandwidth_bytes_per_s)
@@ -289,8 +294,13 @@ class LLMEngine:
     def stats(self) -> dict[str, float]:
         """The engine's numbers now (engine_core.metrics.stat_docs() says what each means); a parallel
         engine adds its workers' communication, summed over the ranks (`comm_*`: COMM_STAT_DOCS). `weight_bytes`:
-        the model's weights as stored (quantized projections at their scheme's size), summed over the ranks."""
+        the model's weights as stored (quantized projections at their scheme's size), summed over the ranks;
+        `weight_bytes_by_scheme` the same split by scheme (the projections) and dtype (the other tensors); the KV
+        cache sized beside them: `num_gpu_blocks` blocks of `kv_block_bytes` (one rank's)."""
+        kv = self.kv_cache_config
         return {**self.scheduler.stats(), "weight_bytes": self.weight_bytes,
+                "weight_bytes_by_scheme": dict(self.weight_bytes_by_scheme), "num_gpu_blocks": kv.num_gpu_blocks,
+                "kv_block_bytes": kv.block_bytes,
                 **{f"comm_{k}": v for k, v in self.executor.comm_stats().items()}}
 
     def shutdown(self) -> None:

@@ -35,8 +35,9 @@ from engine_core.models.loader import CheckpointReader, read_config
 from engine_core.models.lora import LoRAMapping
 from engine_core.models.quantization.gguf_q4_1 import (Q4_1_BLOCK_BYTES, Q4_1_BLOCK_WEIGHTS, Q4_1LinearMethod,
                                                       read_q4_1_blocks)
-from engine_core.models.quantization import (PACKED_METHODS, PackedLinearMethod, check_model_shapes, fused_tensors,
-                                            get_linear_method, resolve_packed_config)
+from engine_core.models.quantization import (PACKED_METHODS, PackedLinearMethod, check_fp8_supported,
+                                            check_model_shapes, fused_tensors, get_linear_method,
+                                            resolve_packed_config)
 from engine_core.models.parallel_linear import (COLUMN, ROW, ParallelLMHead, RowParallelLinear, TPShard,
                                                 VocabParallelEmbedding)
 
@@ -97,9 +98,10 @@ def _linear(ckpt: CheckpointReader, names: list[str], bias: bool, rows: list[sli
         k = raw[0].shape[1] // Q4_1_BLOCK_BYTES * Q4_1_BLOCK_WEIGHTS
         return Linear(None, _param(torch.cat([ckpt.get(f"{n}.bias") for n in names])) if bias else None,
                       Q4_1LinearMethod(torch.cat(raw).reshape(-1), sum(r.shape[0] for r in raw), k, ckpt.dtype))
-    weight = torch.cat([ckpt.get(f"{n}.weight")[r] for n, r in zip(names, rows)])
+    parts = [ckpt.get(f"{n}.weight")[r] for n, r in zip(names, rows)]
+    weight = torch.cat(parts)
     return Linear(_param(weight), _param(torch.cat([ckpt.get(f"{n}.bias")[r] for n, r in zip(names, rows)]))
-                  if bias else None, get_linear_method(quant, names[0], weight.shape[1]))
+                  if bias else None, get_linear_method(quant, names[0], weight.shape[1], [p.shape[0] for p in parts]))
 
 
 def _sharded_linear(ckpt: CheckpointReader, prefix: str, projections: list[str], bias: bool,
@@ -237,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, max_positions: int,
                  parallel: ParallelContext | None = None, quant: QuantizationConfig | None = None) -> None:
         super().__init__()
-        self.args = args
+        self.args, self.quant = args, quant
         tp = TPShard(parallel.tp) if parallel is not None and parallel.tp.world_size > 1 else None
         self.tp = tp
         # the pipeline group when there are stages; the first stage embeds, the last norms and samples
@@ -269,13 +271,24 @@ class LlamaForCausalLM(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of every weight this model holds: the projections as their scheme stores them, plus the
         dense tensors (embedding, LM head when not tied, norms)."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        return sum(self.weight_bytes_by_scheme().values())
+
+    def weight_bytes_by_scheme(self) -> dict[str, int]:
+        """`weight_bytes` split by how the bytes are stored: the projections under their `quantization` scheme's
+        name (dense ones under their dtype's), every other tensor (embedding, norms, LM head) under its dtype's."""
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head_proj]
         dense = {id(p): p for p in self.parameters()}  # a tied LM head counted once
+        by_scheme: dict[str, int] = {}
         for lin in linears:
-            if lin is not self.lm_head_proj and getattr(lin, "weight", None) is not None:
-                dense.pop(id(lin.weight), None)
-        return sum(lin.weight_bytes() for lin in linears if lin is not self.lm_head_proj) + \
-            sum(p.nbytes for p in dense.values())
+            weight = getattr(lin, "weight", None)
+            if weight is not None:
+                dense.pop(id(weight), None)
+            name = str(weight.dtype).removeprefix("torch.") if self.quant is None else self.quant.method
+            by_scheme[name] = by_scheme.get(name, 0) + lin.weight_bytes()
+        for p in dense.values():
+            name = str(p.dtype).removeprefix("torch.")
+            by_scheme[name] = by_scheme.get(name, 0) + p.nbytes
+        return by_scheme
 
     @property
     def num_kv_heads(self) -> int:
@@ -322,5 +335,7 @@ def load_model(folder: str | Path, args: LlamaArgs, dtype: torch.dtype, device: 
         raise ValueError(f"checkpoint {str(folder)!r} is {stored}-quantized (config.json's quantization_config); "
                          f"load it with quantization={stored!r}, got {None if quant is None else quant.method!r}")
     check_model_shapes(quant, args)
+    if quant is not None and quant.method == "fp8":
+        check_fp8_supported(device)
     ckpt = CheckpointReader(folder, dtype, device)
     return LlamaForCausalLM(args, ckpt, max_positions, parallel, quant).eval()

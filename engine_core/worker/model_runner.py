@@ -4,7 +4,8 @@ turns each SchedulerOutput into one flat varlen forward.
 Built in vLLM's order: load the weights (`__init__`), size the KV cache from the memory budget
 (`determine_kv_cache_config`: explicit `num_gpu_blocks`; on CUDA the device memory times
 `gpu_memory_utilization` minus the peak of a profiling forward of `max_num_batched_tokens`
-tokens; on CPU `kv_cache_memory_bytes`, default 1 GiB), then allocate it and capture CUDA graphs
+tokens; on CPU `kv_cache_memory_bytes`, default 1 GiB, or `cpu_memory_bytes` minus the weights as their
+scheme stores them and the estimated activation peak), then allocate it and capture CUDA graphs
 (`initialize_kv_cache`).
 
 Per step (`execute_model(scheduler_output)`, the step's one message): forget the requests it names
@@ -72,6 +73,11 @@ def weight_bytes(runner: "ModelRunner") -> int:
     return runner.weight_bytes
 
 
+def weight_bytes_by_scheme(runner: "ModelRunner") -> dict[str, int]:
+    """The same bytes by scheme or dtype (`LlamaForCausalLM.weight_bytes_by_scheme`)."""
+    return runner.model.weight_bytes_by_scheme()
+
+
 class ModelRunner:
     def __init__(self, config: ResolvedConfig, model_config: ModelConfig,
                  parallel: ParallelContext | None = None) -> None:
@@ -117,7 +123,7 @@ class ModelRunner:
         num_gpu_blocks = engine.num_gpu_blocks or self._budget_bytes() // block_bytes
         if num_gpu_blocks < 1:
             raise ValueError(f"no room for the KV cache: a budget of {self._budget_bytes()} bytes holds no block of "
-                             f"{block_bytes} bytes; raise gpu_memory_utilization / kv_cache_memory_bytes or set "
+                             f"{block_bytes} bytes; raise gpu_memory_utilization / kv_cache_memory_bytes / cpu_memory_bytes or set "
                              f"num_gpu_blocks")
         num_cpu_blocks = int(min(engine.swap_space * 2**30, num_gpu_blocks * block_bytes) // block_bytes)
         return KVCacheConfig(int(num_gpu_blocks), int(num_cpu_blocks), block_bytes)
@@ -125,9 +131,17 @@ class ModelRunner:
     def _budget_bytes(self) -> int:
         engine = self.config.engine
         if self.device.type != "cuda":
+            if engine.cpu_memory_bytes is not None:  # what the weights as stored and a forward's activations leave
+                return engine.cpu_memory_bytes - self.weight_bytes - self._activation_bytes()
             return engine.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
         total = torch.cuda.get_device_properties(self.device).total_memory
         return int(total * engine.gpu_memory_utilization) - self._profile_peak_bytes()
+
+    def _activation_bytes(self) -> int:
+        """The activation peak of a forward of max_num_batched_tokens tokens, estimated (memory.activation_bytes:
+        the CPU has no peak-memory counter to profile it with, as CUDA does)."""
+        n = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        return memory.activation_bytes(self.model_config.args.model_spec(), self.config.dtype, n)
 
     @torch.inference_mode()
     def _profile_peak_bytes(self) -> int:

@@ -6,6 +6,7 @@
 - rtn.py: W4A16 (or W8A16) group-wise round-to-nearest, `quantization="rtn"`
 - packed.py: GPTQ and AWQ checkpoints (gptq.py, awq.py: their packing), `quantization="gptq"` / `"awq"`
 - gguf_q4_1.py: a GGUF file's Q4_1 blocks served as int4, `quantization="gguf"`
+- fp8.py: W8A8 float8_e4m3fn quantized at load, `quantization="fp8"`
 
 The LM head and the embedding stay dense.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 from engine_core.config import QuantizationConfig
 from engine_core.models.config import LlamaArgs
 from engine_core.models.quantization.base import LinearMethodBase
+from engine_core.models.quantization.fp8 import Fp8LinearMethod, check_fp8_supported
 from engine_core.models.quantization.int8 import Int8LinearMethod
 from engine_core.models.quantization.packed import (PACKED_METHODS, PackedLinearMethod, fused_tensors,
                                                     resolve_packed_config)
@@ -23,11 +25,14 @@ from engine_core.models.quantization.unquantized import UnquantizedLinearMethod
 
 
 def get_linear_method(quant: QuantizationConfig | None, prefix: str | None = None,
-                      in_features: int | None = None) -> LinearMethodBase:
+                      in_features: int | None = None, logical_widths: list[int] | None = None) -> LinearMethodBase:
     """A fresh method for one projection (methods hold no per-layer state, but a layer may cache on itself);
-    `prefix` (its first checkpoint name) and `in_features` find its calibrated maxima for SmoothQuant."""
+    `prefix` (its first checkpoint name) and `in_features` find its calibrated maxima for SmoothQuant;
+    `logical_widths` (the rows of each fused checkpoint matrix) give fp8 its per-tensor scales."""
     if quant is None:
         return UnquantizedLinearMethod()
+    if quant.method == "fp8":
+        return Fp8LinearMethod(logical_widths, quant.weight_strategy, quant.activation_strategy)
     if quant.method == "int8" and quant.smoothquant is not None:
         if prefix is None or in_features is None:
             raise ValueError("SmoothQuant needs each projection's checkpoint name and input size (a caller bug)")
@@ -50,7 +55,8 @@ def check_model_shapes(quant: QuantizationConfig | None, args: LlamaArgs) -> Non
                          f"not divide {', '.join(bad)}")
 
 
-__all__ = ["LinearMethodBase", "UnquantizedLinearMethod", "Int8LinearMethod", "RTNLinearMethod",
+__all__ = ["LinearMethodBase", "UnquantizedLinearMethod", "Int8LinearMethod", "RTNLinearMethod", "Fp8LinearMethod",
+           "check_fp8_supported",
            "SmoothQuantInt8LinearMethod", "PackedLinearMethod", "PACKED_METHODS", "fused_tensors",
            "resolve_packed_config",
            "get_linear_method", "check_model_shapes"]

@@ -1,0 +1,152 @@
+"""FP8 W8A8 (`quantization="fp8"`, vLLM's online `Fp8LinearMethod`): the dense checkpoint's weights quantized at
+load to float8_e4m3fn (3 mantissa bits, largest value 448), activations quantized dynamically each step.
+
+    y[m, n] = sx[m] * sw[n] * sum_k qx[m, k] * qw[n, k]
+
+Weights: `quantization_config={"weight_strategy": "tensor"}` (vLLM's online default) keeps one scale per
+checkpoint matrix, amax / 448; "channel" one per output row. A fused q|k|v or gate|up matrix with per-tensor
+scales holds one scale per module, which `convert_to_channelwise` (int8.py, vLLM's w8a8_utils) expands to one per
+output row, so the epilogue always reads a `[N]` vector. Activations: "activation_strategy" "tensor" (vLLM's
+dynamic per-tensor: one amax over the step's rows) or "token" (one per row). `activation_scheme` is "dynamic"
+only (vLLM's "static" needs calibrated input scales this kit does not write for weights).
+
+Every product qx * qw of two e4m3 values has at most 8 significant bits, exact in fp32, so the only rounding in
+the GEMM is the fp32 accumulation's (about K u of the sum of magnitudes, in any order); the errors are the
+roundings to fp8 (relative 2^-4 for normal values, absolute 2^-10 * scale for subnormals) and the fp32 epilogue.
+`torch._scaled_mm` computes the sum where it takes the shapes (CPU; CUDA with fp8 tensor cores, K and N
+multiples of 16) with unit scales, and the scales are applied here in fp32 (so every combination of strategies
+is the same kernel call); elsewhere, and in tests, the reference path dequantizes both sides to fp32 and runs
+`F.linear`. On this kit's CPU `_scaled_mm` does no fp8 arithmetic (it converts the weight each call): correct
+and slower than fp32 at every batch (docs/weight_quantization.md). The CUDA branch is not yet run on a GPU
+here. The LM head stays dense.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_core.models.quantization.base import LinearMethodBase, add_bias_residual
+from engine_core.models.quantization.int8 import convert_to_channelwise
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448: where quantization saturates
+MIN_FP8_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9) and Hopper (9.0) onwards
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def check_fp8_supported(device: torch.device) -> None:
+    """Refuse `quantization="fp8"` on a device without fp8 GEMMs (before any weight is read)."""
+    if device.type == "cpu":
+        return  # torch's fp8 casts and `_scaled_mm` run on any x86 CPU
+    if device.type == "cuda":
+        cap = _cuda_capability(device)
+        if tuple(cap) >= MIN_FP8_CAPABILITY:
+            return
+        raise ValueError(f"quantization='fp8' needs fp8 tensor cores (CUDA compute capability >= 8.9: Ada, Hopper), "
+                         f"got {device} with capability {cap[0]}.{cap[1]}; use quantization='int8' or 'rtn' there")
+    raise ValueError(f"quantization='fp8' runs on cpu or cuda (compute capability >= 8.9), got device {device}")
+
+
+def scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 in fp32; an all-zero tensor or row gets scale 1 (any scale stores zeros exactly)."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in fp32, saturated at +-448 (never NaN), rounded to nearest even e4m3."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_weight_fp8(w: torch.Tensor, logical_widths: list[int], strategy: str
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w `[N, K]` (the modules of `logical_widths` stacked along N) -> (fp8 `[N, K]`, fp32 scale `[N]`):
+    per "channel", or per "tensor" of each module, expanded to its rows."""
+    if sum(logical_widths) != w.shape[0]:
+        raise ValueError(f"logical_widths {logical_widths} must sum to the weight's {w.shape[0]} rows")
+    if strategy == "channel":
+        scale = scale_of(w.abs().amax(dim=1))
+    elif strategy == "tensor":
+        per_module = torch.stack([scale_of(part.abs().amax()) for part in w.split(logical_widths)])
+        scale = convert_to_channelwise(per_module, logical_widths)
+    else:
+        raise ValueError(f"quantization_config['weight_strategy'] must be 'tensor' or 'channel', got {strategy!r}")
+    return to_fp8(w, scale[:, None]), scale
+
+
+def quantize_activation_fp8(x: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[rows, K]` -> (fp8 `[rows, K]`, fp32 scale `[rows, 1]` per "token", or `[1, 1]` per "tensor")."""
+    if strategy == "token":
+        scale = scale_of(x.abs().amax(dim=1, keepdim=True))
+    else:
+        scale = scale_of(x.abs().amax()).reshape(1, 1) if x.numel() else torch.ones(1, 1, device=x.device)
+    return to_fp8(x, scale), scale
+
+
+def scaled_mm_applies(m: int, k: int, n: int, device: torch.device) -> bool:
+    """Whether `torch._scaled_mm` takes these shapes: CPU any, CUDA (fp8 tensor cores) K and N multiples of 16."""
+    if m == 0:
+        return False
+    if device.type == "cuda":
+        return k % 16 == 0 and n % 16 == 0
+    return device.type == "cpu"
+
+
+_ONE: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    if device not in _ONE:
+        _ONE[device] = torch.ones((), dtype=torch.float32, device=device)
+    return _ONE[device]
+
+
+def fp8_mm(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+    """fp8 `[M, K]` @ fp8 `[N, K]`.T -> the fp32 sum `[M, N]` (the kernel contract: unit scales)."""
+    (m, k), n = qx.shape, qw.shape[0]
+    if scaled_mm_applies(m, k, n, qx.device):
+        one = _one(qx.device)
+        return torch._scaled_mm(qx, qw.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    return fp8_mm_reference(qx, qw)
+
+
+def fp8_mm_reference(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+    """The same sum through fp32: both sides dequantized (fp8 -> fp32 is exact), then `F.linear`."""
+    return F.linear(qx.float(), qw.float())
+
+
+class Fp8LinearMethod(LinearMethodBase):
+    """The layer holds `weight_fp8` (float8_e4m3fn `[N, K]`) and `weight_scale` (fp32 `[N]`); the dense weight is
+    freed. `logical_widths`: the rows of each fused module (q|k|v, gate|up; one entry otherwise);
+    `use_kernel=False` keeps the reference path (tests compare the two)."""
+
+    def __init__(self, logical_widths: list[int] | None, weight_strategy: str = "tensor",
+                 activation_strategy: str = "tensor", use_kernel: bool = True) -> None:
+        self.logical_widths, self.use_kernel = logical_widths, use_kernel
+        self.weight_strategy, self.activation_strategy = weight_strategy, activation_strategy
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight.detach()
+        check_fp8_supported(w.device)
+        q, scale = quantize_weight_fp8(w, self.logical_widths or [w.shape[0]], self.weight_strategy)
+        del layer.weight
+        layer.register_buffer("weight_fp8", q)
+        layer.register_buffer("weight_scale", scale)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        qx, sx = quantize_activation_fp8(rows, self.activation_strategy)
+        acc = fp8_mm(qx, layer.weight_fp8) if self.use_kernel else fp8_mm_reference(qx, layer.weight_fp8)
+        y = (acc * sx * layer.weight_scale).to(x.dtype).reshape(*x.shape[:-1], layer.output_size)
+        return add_bias_residual(y, layer.bias, residual)
+
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        """q * scale `[N, K]` in fp32: the weight the scheme computes with."""
+        return layer.weight_fp8.float() * layer.weight_scale[:, None]
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        return layer.weight_fp8.nbytes + layer.weight_scale.nbytes
