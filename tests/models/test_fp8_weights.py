@@ -22,6 +22,7 @@ from engine_core.models.quantization import Fp8LinearMethod, LinearMethodBase, U
 from engine_core.models.quantization.fp8 import (check_fp8_supported, fp8_mm, fp8_mm_reference,
                                                  quantize_activation_fp8, quantize_weight_fp8)
 from engine_core.presets import preset_path
+import kernels
 from kernels.fp8 import quantize_fp8, scale_from_amax
 
 U = 2.0 ** -24
@@ -132,6 +133,27 @@ def test_fp8_linear_is_within_its_bound_of_the_fp32_product(weight_strategy: str
         assert float(err.max()) > 0  # fp8 really ran: the product is not fp32's
     # the bound says something: within a few percent of the terms' magnitudes
     assert float((tol / (x.double().abs() @ w.double().abs().t())).max()) < 0.2
+
+
+def test_where_the_backend_is_triton_the_layer_runs_the_triton_fp8_gemm(monkeypatch) -> None:
+    """KERNELS_BACKEND=triton on CPU (the interpreter; on CUDA the default): `kernels.fp8_gemm` computes the
+    sum and both scales. Its fp32 accumulation differs from the reference's only in order, so the two agree to
+    (K + 4) u of sum |x^| |w^| (the bound above's rounding term); a kernel that dropped a scale would be off by
+    the output's size."""
+    monkeypatch.setenv("KERNELS_BACKEND", "triton")
+    calls, triton_gemm = [], kernels.fp8_gemm
+    monkeypatch.setattr(kernels, "fp8_gemm", lambda *a, **k: calls.append(a) or triton_gemm(*a, **k))
+    n, k = 32, 64
+    for strategies in STRATEGIES:
+        layer, _, _ = _layer(Fp8LinearMethod([16, 16], *strategies), n, k, 7)
+        reference, _, _ = _layer(Fp8LinearMethod([16, 16], *strategies, use_kernel=False), n, k, 7)
+        x = torch.randn(5, k, generator=torch.Generator().manual_seed(8))
+        got, want = layer(x).double(), reference(x).double()
+        qx, sx = quantize_activation_fp8(x, strategies[1])
+        xq = qx.double() * sx.double()
+        tol = (k + 4) * U * (xq.abs() @ reference.quant_method.dequantized_weight(reference).double().abs().t())
+        assert bool(((got - want).abs() <= tol + 2 * U * want.abs()).all()), strategies
+    assert len(calls) == len(STRATEGIES)
 
 
 def test_fp8_linear_takes_any_row_count_and_3d_rows() -> None:

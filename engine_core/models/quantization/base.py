@@ -7,10 +7,13 @@ more method; the model code, LoRA and tensor parallelism do not change.
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 
 import torch
 from torch import nn
+
+import kernels
 
 
 class LinearMethodBase(ABC):
@@ -42,3 +45,11 @@ def add_bias_residual(y: torch.Tensor, bias: torch.Tensor | None, residual: torc
     if residual is not None:
         y += residual
     return y
+
+
+def triton_kernels_apply(device: torch.device) -> bool:
+    """Whether a quantized layer on `device` takes the project's Triton GEMMs: where the kernel backend for it is
+    Triton (CUDA; CPU tensors only with KERNELS_BACKEND=triton, under the interpreter: how CPU tests reach them)."""
+    if device.type != "cuda" and os.environ.get("KERNELS_BACKEND") != "triton":
+        return False
+    return kernels.resolve_backend("auto", device) == "triton"

@@ -13,12 +13,13 @@ only (vLLM's "static" needs calibrated input scales this kit does not write for 
 Every product qx * qw of two e4m3 values has at most 8 significant bits, exact in fp32, so the only rounding in
 the GEMM is the fp32 accumulation's (about K u of the sum of magnitudes, in any order); the errors are the
 roundings to fp8 (relative 2^-4 for normal values, absolute 2^-10 * scale for subnormals) and the fp32 epilogue.
-`torch._scaled_mm` computes the sum where it takes the shapes (CPU; CUDA with fp8 tensor cores, K and N
-multiples of 16) with unit scales, and the scales are applied here in fp32 (so every combination of strategies
-is the same kernel call); elsewhere, and in tests, the reference path dequantizes both sides to fp32 and runs
-`F.linear`. On this kit's CPU `_scaled_mm` does no fp8 arithmetic (it converts the weight each call): correct
-and slower than fp32 at every batch (docs/weight_quantization.md). The CUDA branch is not yet run on a GPU
-here. The LM head stays dense.
+Where the kernel backend is Triton (CUDA) the project's fp8 GEMM (`kernels.fp8_gemm`, kernels/triton/fp8_gemm.py)
+computes the sum and applies both scales in its fp32 epilogue. On CPU `torch._scaled_mm` computes the sum with
+unit scales and the scales are applied here in fp32 (so every combination of strategies is the same kernel
+call); elsewhere, and in tests, the reference path dequantizes both sides to fp32 and runs `F.linear`. On this
+kit's CPU `_scaled_mm` does no fp8 arithmetic (it converts the weight each call): correct and slower than fp32
+at every batch (docs/weight_quantization.md). The CUDA branch is not yet run on a GPU here (CPU tests run the
+Triton kernel under the interpreter). The LM head stays dense.
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_core.models.quantization.base import LinearMethodBase, add_bias_residual
+import kernels
+from engine_core.models.quantization.base import LinearMethodBase, add_bias_residual, triton_kernels_apply
 from engine_core.models.quantization.int8 import convert_to_channelwise
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -140,8 +142,12 @@ class Fp8LinearMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         qx, sx = quantize_activation_fp8(rows, self.activation_strategy)
-        acc = fp8_mm(qx, layer.weight_fp8) if self.use_kernel else fp8_mm_reference(qx, layer.weight_fp8)
-        y = (acc * sx * layer.weight_scale).to(x.dtype).reshape(*x.shape[:-1], layer.output_size)
+        if self.use_kernel and triton_kernels_apply(rows.device):  # the scales in the kernel's epilogue
+            y = kernels.fp8_gemm(qx, sx, layer.weight_fp8, layer.weight_scale, x.dtype, backend="triton")
+        else:
+            acc = fp8_mm(qx, layer.weight_fp8) if self.use_kernel else fp8_mm_reference(qx, layer.weight_fp8)
+            y = (acc * sx * layer.weight_scale).to(x.dtype)
+        y = y.reshape(*x.shape[:-1], layer.output_size)
         return add_bias_residual(y, layer.bias, residual)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:

@@ -22,14 +22,12 @@ dequant-in-GEMM (`kernels.w4a16_gemm`).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import kernels
-from engine_core.models.quantization.base import LinearMethodBase, add_bias_residual
+from engine_core.models.quantization.base import LinearMethodBase, add_bias_residual, triton_kernels_apply
 
 # fp32 is accepted by the kernel but takes a scalar path: 3.2 ms at M = 1 (K = 576, N = 3072, one thread) against
 # 0.47 ms for the dense fp32 GEMM and 0.15 ms for the same kernel in bf16, and 50 ms at M = 16 (bf16: 0.73 ms)
@@ -89,11 +87,7 @@ def w4a16_kernel_applies(device: torch.device, dtype: torch.dtype, bits: int, gr
     """The Triton W4A16 kernel: 4 bits, bf16/fp16 activations, a group size it tiles (a multiple of 16), where
     the kernel backend for `device` is Triton (CUDA; CPU tensors only with KERNELS_BACKEND=triton, under the
     interpreter)."""
-    if bits != 4 or dtype not in _INT4PACK_DTYPES or group_size % 16:
-        return False
-    if device.type != "cuda" and os.environ.get("KERNELS_BACKEND") != "triton":
-        return False
-    return kernels.resolve_backend("auto", device) == "triton"
+    return bits == 4 and dtype in _INT4PACK_DTYPES and group_size % 16 == 0 and triton_kernels_apply(device)
 
 
 def run_w4a16_kernel(layer: nn.Module, x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
