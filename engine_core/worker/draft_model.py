@@ -86,6 +86,7 @@ class DraftModel:
         `[num_drafts[i], V]` (fp32, the distribution each draft was drawn from; None for greedy)."""
         contexts = [r.all_token_ids for r in requests]
         starts = [self._kept(r.request_id, c) for r, c in zip(requests, contexts)]
+        self.forget([r.request_id for r in requests])  # until this step's record is whole (a step may raise)
         # the catch-up forward: each request's tokens from its kept prefix (one-row sequences first)
         order = sorted(range(len(requests)), key=lambda i: len(contexts[i]) - starts[i] != 1)
         tokens = [contexts[i][starts[i]:] for i in order]
