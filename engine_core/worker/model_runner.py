@@ -107,7 +107,8 @@ class ModelRunner:
         self.drafter = None  # method "draft_model": fills the scheduler's lookahead slots
         if spec is not None and spec.method == "draft_model":
             draft = check_draft_model(spec.model, model_config.args.vocab_size, config.max_model_len)
-            self.drafter = DraftModel(draft, spec.num_speculative_tokens, config.dtype, config.device)
+            self.drafter = DraftModel(draft, spec.num_speculative_tokens, config.dtype, config.device,
+                                      config.max_model_len, self.block_size, self.attention_backend)
         self.input_batch = InputBatch(config.engine.max_num_seqs, cdiv(config.max_model_len, self.block_size))
         self.kv_cache: KVCache | None = None  # initialize_kv_cache
         self.cuda_graphs: DecodeGraphs | None = None
@@ -120,7 +121,9 @@ class ModelRunner:
         spec = dataclasses.replace(self.model_config.args.model_spec(), num_layers=len(self.model.layers),
                                    num_kv_heads=self.model.num_kv_heads)  # this rank's share of the cache
         block_bytes = memory.kv_cache_bytes_per_token(spec, self.config.kv_cache_dtype) * self.block_size
-        num_gpu_blocks = engine.num_gpu_blocks or self._budget_bytes() // block_bytes
+        # a draft model's cache has as many blocks as the target's (the same block tables): the budget holds both
+        draft_bytes = self.drafter.block_bytes() if self.drafter is not None else 0
+        num_gpu_blocks = engine.num_gpu_blocks or self._budget_bytes() // (block_bytes + draft_bytes)
         if num_gpu_blocks < 1:
             raise ValueError(f"no room for the KV cache: a budget of {self._budget_bytes()} bytes holds no block of "
                              f"{block_bytes} bytes; raise gpu_memory_utilization / kv_cache_memory_bytes / cpu_memory_bytes or set "
@@ -174,6 +177,8 @@ class ModelRunner:
             raise ValueError(f"cannot allocate the KV cache: {c.num_gpu_blocks} blocks of {c.block_bytes} bytes on "
                              f"{self.device} and {c.num_cpu_blocks} in the CPU swap pool ({e}); lower num_gpu_blocks, "
                              f"kv_cache_memory_bytes, gpu_memory_utilization or swap_space") from None
+        if self.drafter is not None:
+            self.drafter.allocate(c.num_gpu_blocks)
         engine = self.config.engine
         if engine.calculate_kv_scales:
             self.kv_cache.observer = DynamicScales(self.kv_cache, engine.kv_scales_per_head)
@@ -244,7 +249,9 @@ class ModelRunner:
                ) -> tuple[dict[str, list[int]], dict[str, torch.Tensor | None]]:
         """The draft model's tokens for the scheduler's lookahead slots (as many per request), and their q."""
         requests = [c.request for c in chunks if c.request.request_id in slots]
-        drafts, probs = self.drafter.propose(requests, [len(slots[r.request_id]) for r in requests], self.sampler)
+        tables = self.input_batch.block_tables([self.input_batch.row_of[r.request_id] for r in requests])
+        drafts, probs = self.drafter.propose(requests, [len(slots[r.request_id]) for r in requests], tables,
+                                             self.sampler)
         ids = [r.request_id for r in requests]
         return dict(zip(ids, drafts)), dict(zip(ids, probs))
 

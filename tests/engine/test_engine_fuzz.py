@@ -1,16 +1,19 @@
 """A real-model random fuzzer: random engine configs (block size, tight KV memory, swap space, budget,
 chunking, prefix caching, every preemption mode, max_model_len, model family), random sequences of
 add / step / abort with priorities, shared prefixes, reused request ids, greedy and seeded sampling,
-LoRA adapters (every third seed: 1-3 slots for 4 adapters, a host cache that evicts), n-gram speculative
-decoding (half the seeds; its own random stream, so the other draws of a seed stay as they were), and
-one step in ten interrupted at a random line (KeyboardInterrupt: the step is rolled back).
+LoRA adapters (every third seed: 1-3 slots for 4 adapters, a host cache that evicts), speculative
+decoding (its own random stream, so the other draws of a seed stay as they were: tiny-llama-draft's
+drafts every fourth seed (3, 7, ...), n-gram drafts half the others, k from 1 to 4), and one step in ten
+interrupted at a random line (KeyboardInterrupt: the step is rolled back).
 
 After every operation the whole engine is checked (engine_helpers.check_engine: ref counts, the
 free queue, pool totals, the prefix-cache map, queues against statuses, the runner's tables, the
 step's token budget, adapter pins and slots); an add is accepted exactly when the request can ever
 fit. At the end every GPU and CPU block is free, and every finished request's tokens equal those of
-the same request (same adapter) run alone in a roomy engine. FUZZ_ENGINE_SEQUENCES sets the number
-of sequences (`make fuzz`: 300).
+the same request (same adapter) run alone in a roomy engine (with a draft model, greedy requests only: a
+sampled request's draws depend on how its drafts fell into steps, its distribution is tested in
+tests/worker/test_draft_model.py). FUZZ_ENGINE_SEQUENCES sets the number of sequences (default 4, so that
+one is a draft model's; `make fuzz`: 300).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from engine_core.lora.presets import adapter_path
 from engine_core.request import Request
 
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
-SEQUENCES = int(os.environ.get("FUZZ_ENGINE_SEQUENCES", "3"))
+SEQUENCES = int(os.environ.get("FUZZ_ENGINE_SEQUENCES", "4"))
 MODELS = ["tiny-llama", "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-llama3"]
 PREFIXES = [[], [7] * 9, list(range(40, 57)), [300, 301, 302, 303, 304, 305]]
 ADAPTERS = ["r8-attn", "r4-mlp", "r16-all", "r16-rslora-qv"]  # lora_int_id = index + 1
@@ -50,8 +53,12 @@ def _random_config(rng: random.Random, with_lora: bool) -> dict:
                 scheduling_policy=rng.choice(["fcfs", "priority"]))
 
 
-def _random_spec(rng: random.Random) -> dict:
-    """Half the time n-gram speculation: greedy and seeded tokens are those of the roomy engine without it."""
+def _random_spec(rng: random.Random, draft_model: bool) -> dict:
+    """With `draft_model`, tiny-llama-draft's drafts (greedy tokens are those of the roomy engine without
+    speculation); else half the time n-gram speculation (greedy and seeded tokens are)."""
+    if draft_model:
+        return dict(speculative_config={"method": "draft_model", "model": "tiny-llama-draft",
+                                        "num_speculative_tokens": rng.randint(1, 4)})
     if rng.random() < 0.5:
         return {}
     lo = rng.randint(1, 2)
@@ -87,15 +94,16 @@ def _alone(model: str, max_model_len: int, prompt: tuple[int, ...], params: Samp
     return run_to_end(engine)["alone"]
 
 
-def _reproducible(params: SamplingParams) -> bool:
-    return params.greedy or params.seed is not None
+def _reproducible(params: SamplingParams, config: dict) -> bool:
+    spec = config.get("speculative_config")
+    return params.greedy or (params.seed is not None and not (spec and spec["method"] == "draft_model"))
 
 
 @pytest.mark.parametrize("seed", range(SEQUENCES))
 def test_random_sequence(seed):
     rng = random.Random(seed)
     model, config = rng.choice(MODELS), _random_config(rng, with_lora=seed % 3 == 1)
-    config.update(_random_spec(random.Random(f"spec {seed}")))
+    config.update(_random_spec(random.Random(f"spec {seed}"), draft_model=seed % 4 == 3))
     engine = LLMEngine.from_kwargs(model, **config)
     bs, mml, gpu_blocks = config["block_size"], engine.config.max_model_len, config["num_gpu_blocks"]
     added: list[tuple[Request, SamplingParams, LoRARequest | None]] = []
@@ -141,7 +149,7 @@ def test_random_sequence(seed):
     for request, params, lora in added:
         where = f"seed {seed}, {model} {config}: {request}"
         assert request.is_finished, where
-        if request.status.finish_reason == "abort" or not _reproducible(params):
+        if request.status.finish_reason == "abort" or not _reproducible(params, config):
             continue
         assert request.status.finish_reason in ("stop", "length"), where
         assert request.output_token_ids == _alone(model, mml, tuple(request.prompt_token_ids), params, lora), where

@@ -1,11 +1,18 @@
-"""Speculative decoding end to end: greedy output with n-gram drafts equals the output without, token for
-token, under chunked prefill, prefix caching, both preemption modes, fp8 KV and LoRA; the KV blocks add up
-after rejections; no prefix-cache block holds an unverified token; bad speculative_config values are
-refused by name. The prompts repeat themselves, so the drafts hit (acceptance > 0 is asserted: a run
-where nothing is accepted would test only the rejection path)."""
+"""Speculative decoding end to end, for both methods ("ngram" and "draft_model", the tests parametrized
+over them): greedy output with speculation equals the output without, token for token, under chunked
+prefill, prefix caching, both preemption modes, LoRA (and fp8 KV, n-gram); stop tokens, max_tokens and
+max_model_len inside an accepted run end the request there; the KV blocks add up after rejections; no
+prefix-cache block holds an unverified token; bad speculative_config values are refused by name. The
+prompts repeat themselves, so the drafts hit (acceptance > 0 is asserted: a run where nothing is accepted
+would test only the rejection path). Then what one method alone promises: seeded n-gram sampling gives
+the tokens of plain sampling; a draft with the target's weights is always accepted; a draft model's
+seeded runs repeat; a draft of another vocabulary or a shorter context is refused. The sampled
+distribution with a draft model is tested where it is decided, in tests/worker/test_draft_model.py."""
 from __future__ import annotations
 
+import json
 import random
+import shutil
 
 import pytest
 from engine_helpers import check_engine, pool_is_whole
@@ -19,9 +26,12 @@ from engine_core.engine import LLMEngine
 from engine_core.lora.presets import adapter_path
 from engine_core.lora.request import LoRARequest
 from engine_core.outputs import ModelRunnerOutput
+from engine_core.presets import resolve_model
 from engine_core.request import Request, RequestStatus
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+DRAFT = {"method": "draft_model", "model": "tiny-llama-draft", "num_speculative_tokens": 3}
+METHODS = {"ngram": SPEC, "draft_model": DRAFT}
 RNG = random.Random(25)
 PROMPTS = [list(range(10, 20)) * 3, [5, 6, 7, 8] * 5, [RNG.randrange(3, 512) for _ in range(20)],
            list(range(10, 20)) * 2 + [77, 78]]  # shares a prefix with the first: prefix-cache hits
@@ -29,9 +39,10 @@ PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n i
 BASE = dict(block_size=4, max_model_len=128, max_num_batched_tokens=32)
 
 
-def generate(spec: dict | None, model: str = "tiny-llama", lora=None, **kw) -> tuple[list[list[int]], dict]:
+def generate(spec: dict | None, model: str = "tiny-llama", lora=None, params=PARAMS, **kw
+             ) -> tuple[list[list[int]], dict]:
     llm = LLM(model, speculative_config=spec, **{**BASE, **kw})
-    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False, lora_request=lora)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora)
     assert pool_is_whole(llm.engine), llm.engine.stats()
     return [o.outputs[0].token_ids for o in outs], llm.engine.stats()
 
@@ -39,6 +50,11 @@ def generate(spec: dict | None, model: str = "tiny-llama", lora=None, **kw) -> t
 @pytest.fixture(scope="module")
 def plain():
     return generate(None)[0]
+
+
+@pytest.fixture(params=list(METHODS))
+def spec(request) -> dict:
+    return METHODS[request.param]
 
 
 def _assert_speculated(stats: dict) -> None:
@@ -49,8 +65,8 @@ def _assert_speculated(stats: dict) -> None:
 @pytest.mark.parametrize("kw", [{}, {"enable_chunked_prefill": False}, {"enable_prefix_caching": True},
                                 {"max_num_batched_tokens": 8}],
                          ids=["chunked", "unchunked", "prefix-caching", "small-budget"])
-def test_greedy_output_with_speculation_equals_the_output_without(plain, kw):
-    outs, stats = generate(SPEC, **kw)
+def test_greedy_output_with_speculation_equals_the_output_without(plain, spec, kw):
+    outs, stats = generate(spec, **kw)
     assert outs == plain
     _assert_speculated(stats)
     if kw.get("enable_prefix_caching"):
@@ -58,8 +74,8 @@ def test_greedy_output_with_speculation_equals_the_output_without(plain, kw):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_greedy_output_survives_preemption_with_drafts(plain, mode):
-    outs, stats = generate(SPEC, num_gpu_blocks=20, preemption_mode=mode, enable_prefix_caching=True)
+def test_greedy_output_survives_preemption_with_drafts(plain, spec, mode):
+    outs, stats = generate(spec, num_gpu_blocks=20, preemption_mode=mode, enable_prefix_caching=True)
     key = {"recompute": "num_preemptions_recompute", "swap": "num_preemptions_swap"}[mode]
     assert stats[key] > 0, stats
     assert outs == plain
@@ -67,34 +83,38 @@ def test_greedy_output_survives_preemption_with_drafts(plain, mode):
 
 
 def test_fp8_kv_cache():
+    """n-gram only: a draft model never touches the target's cache (its own is in the model dtype), and the
+    verify path is the same for both methods; on CPU each fp8 run costs ~25 s."""
     plain_fp8, _ = generate(None, kv_cache_dtype="fp8")
     outs, stats = generate(SPEC, kv_cache_dtype="fp8")
     assert outs == plain_fp8
     _assert_speculated(stats)
 
 
-def test_lora_requests():
+def test_lora_requests(spec):
+    """The target verifies with its adapter; a draft model (the base weights, no adapter) only changes which
+    drafts are accepted, never the greedy output."""
     lora = LoRARequest("r8-attn", 1, str(adapter_path("tiny-llama", "r8-attn")))
     plain_lora, _ = generate(None, lora=lora, enable_lora=True, max_lora_rank=16)
-    outs, stats = generate(SPEC, lora=lora, enable_lora=True, max_lora_rank=16)
+    outs, stats = generate(spec, lora=lora, enable_lora=True, max_lora_rank=16)
     assert outs == plain_lora
     _assert_speculated(stats)
 
 
-def test_stop_tokens_max_tokens_and_max_model_len_inside_an_accepted_run(plain):
+def test_stop_tokens_max_tokens_and_max_model_len_inside_an_accepted_run(plain, spec):
     """Stop at a token the plain run emits mid-output, a max_tokens and a max_model_len that land inside
     accepted runs: the same tokens and finish reasons as without speculation."""
     stop = [SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[out[len(out) // 2]]) for out in plain]
     short = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 6, 7, 9)]
     to_the_end = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * len(PROMPTS)
     got: dict[bool, list] = {True: [], False: []}
-    for spec in (None, SPEC):
-        llm = LLM("tiny-llama", speculative_config=spec, **{**BASE, "max_model_len": 50})
+    for config in (None, spec):
+        llm = LLM("tiny-llama", speculative_config=config, **{**BASE, "max_model_len": 50})
         for params in (stop, short, to_the_end):
             outs = llm.generate(PROMPTS, params, use_tqdm=False)
-            got[spec is None].append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+            got[config is None].append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
         assert pool_is_whole(llm.engine)
-        if spec:
+        if config:
             _assert_speculated(llm.engine.stats())
     assert got[False] == got[True]
     assert {r for _, r in got[True][0]} == {"stop"} and "length" in {r for _, r in got[True][1]}
@@ -102,10 +122,10 @@ def test_stop_tokens_max_tokens_and_max_model_len_inside_an_accepted_run(plain):
     assert all(len(p) + len(t) == 50 for p, (t, _) in zip(PROMPTS, got[False][2]))  # max_model_len reached
 
 
-def test_invariants_budget_and_prefix_cache_every_step():
+def test_invariants_budget_and_prefix_cache_every_step(spec):
     """After every step: the scheduler's invariants (block ref counts, queues), the step's rows (drafts
     included) within the budget, and every block the prefix cache publishes holds verified tokens only."""
-    engine = LLMEngine(EngineConfig(model="tiny-llama", speculative_config=SPEC, enable_prefix_caching=True,
+    engine = LLMEngine(EngineConfig(model="tiny-llama", speculative_config=spec, enable_prefix_caching=True,
                                     num_gpu_blocks=24, **BASE))
     sched = engine.scheduler
     schedule = sched.schedule
@@ -155,7 +175,7 @@ def test_seeded_sampling_with_speculation_equals_the_output_without():
     assert runs[1] == runs[0] and runs[2] == runs[0]
 
 
-def test_metrics_use_vllms_names():
+def test_metrics_use_vllms_names():  # the scheduler counts both methods' drafts alike
     llm = LLM("tiny-llama", speculative_config=SPEC, **BASE)
     llm.generate(PROMPTS[:2], PARAMS[:2], use_tqdm=False)
     stats = llm.engine.scheduler.make_stats()
@@ -169,6 +189,50 @@ def test_metrics_use_vllms_names():
     assert f'vllm:spec_decode_num_accepted_tokens_per_pos{{position="0"}} {float(per_pos[0])}' in text
     d = llm.engine.stats()
     assert d["spec_decode_mean_acceptance_length"] == 1 + stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_drafts
+
+
+# ---- a draft model alone ---------------------------------------------------------------------------------------
+
+def test_a_draft_with_the_targets_weights_is_always_accepted(plain):
+    """Greedy, draft == target: every draft is the target's argmax, so acceptance is exactly 1.0 and each
+    verify step emits k + 1 tokens (fewer only where max_tokens caps the drafts)."""
+    outs, stats = generate({**DRAFT, "model": "tiny-llama"})
+    assert outs == plain
+    assert stats["spec_decode_num_drafts"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"], stats
+    assert stats["spec_decode_mean_acceptance_length"] > 3.5, stats  # k = 3: 4 but for the capped last drafts
+
+
+def test_seeded_sampled_runs_with_a_draft_model_repeat_and_accept_some_drafts():
+    """Seeded sampling with draft-model drafts: the same seeds give the same tokens in another batch
+    order, and with draft == target at T = 1 (q = p) every draft is accepted (min(1, p/q) = 1). The
+    budget gives every decode its k drafts in either order: a seeded request's tokens depend on how its
+    drafts fall into steps (position m drawn as a draft from q or as a bonus token from p), and with the
+    tight BASE budget the two orders cap different steps' drafts."""
+    params = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2, 3, 4)]
+    roomy = dict(max_num_batched_tokens=256)
+    first, _ = generate(DRAFT, params=params, **roomy)
+    llm = LLM("tiny-llama", speculative_config=DRAFT, **{**BASE, **roomy})
+    again = llm.generate(PROMPTS[::-1], params[::-1], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again][::-1] == first
+    _, stats = generate({**DRAFT, "model": "tiny-llama"}, params=params)
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0, stats
+
+
+def test_a_draft_with_another_vocabulary_is_refused():
+    with pytest.raises(ValueError, match=r"speculative_config\['model'\]='small-llama' has vocab_size 8192.*"
+                                         r"vocab_size 512"):
+        LLM("tiny-llama", speculative_config={**DRAFT, "model": "small-llama"}, **BASE)
+
+
+def test_a_draft_with_a_shorter_context_is_refused(tmp_path):
+    folder = tmp_path / "short-draft"
+    shutil.copytree(resolve_model("tiny-llama-draft"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    with pytest.raises(ValueError, match=r"max_position_embeddings 64, shorter than max_model_len 128"):
+        LLM("tiny-llama", speculative_config={**DRAFT, "model": str(folder)}, **BASE)
+    LLM("tiny-llama", speculative_config={**DRAFT, "model": str(folder)}, **{**BASE, "max_model_len": 64})
 
 
 # ---- the scheduler alone: lookahead slots, rollback of rejected drafts, fallback ------------------------------
@@ -233,6 +297,10 @@ def test_drafts_fall_back_to_a_plain_decode_without_budget_or_blocks():
     ({**SPEC, "method": "eagle"}, r"speculative_config\['method'\] must be one of \('ngram', 'draft_model'\)"),
     ({**SPEC, "model": "x"}, r"unknown key\(s\) \['model'\]"),
     ("ngram", r"speculative_config must be None or a dict"),
+    ({**DRAFT, "model": ""}, r"speculative_config\['model'\] must be a preset name or a model folder"),
+    ({**DRAFT, "model": None}, r"speculative_config\['model'\]"),
+    ({**DRAFT, "prompt_lookup_max": 3}, r"unknown key\(s\) \['prompt_lookup_max'\] for method 'draft_model'"),
+    ({**DRAFT, "num_speculative_tokens": 0}, r"num_speculative_tokens'\] must be an int in \[1, 16\]"),
 ])
 def test_bad_speculative_config_is_refused_by_name(spec, match):
     with pytest.raises(ValueError, match=match):

@@ -35,19 +35,30 @@ def test_the_wrapper_with_draft_probs_emits_the_targets_distribution():
     assert abs(accepted / n - alpha) < 5 * (0.25 / n) ** 0.5, (accepted / n, alpha)
 
 
+def _drafter(config: ModelConfig) -> DraftModel:
+    """A drafter with its own paged cache: 64 blocks of 4 slots, request i in blocks 16i..16i+15."""
+    drafter = DraftModel(config, 3, torch.float32, torch.device("cpu"), 64, 4, "torch")
+    drafter.allocate(64)
+    return drafter
+
+
+def _tables(n: int) -> torch.Tensor:
+    return torch.arange(16 * n, dtype=torch.int32).reshape(n, 16)
+
+
 def _hf_logits(model, tokens: list[int]) -> torch.Tensor:
     return model(input_ids=torch.tensor([tokens])).logits[0, -1].float()
 
 
 def test_the_draft_models_q_and_greedy_chain_are_its_own():
     config = ModelConfig.load("tiny-llama-draft")
-    drafter = DraftModel(config, 3, torch.float32, torch.device("cpu"))
+    drafter = _drafter(config)
     hf = transformers.AutoModelForCausalLM.from_pretrained(config.path, dtype=torch.float32).eval()
     prompt = [5, 9, 17, 33, 65]
     greedy = Request("g", prompt, SamplingParams(temperature=0.0))
     sampled = Request("s", prompt, SamplingParams(temperature=0.7, top_k=4, seed=3))
     with torch.inference_mode():
-        (chain, tokens), (none, q) = drafter.propose([greedy, sampled], [3, 2], Sampler(0))
+        (chain, tokens), (none, q) = drafter.propose([greedy, sampled], [3, 2], _tables(2), Sampler(0))
         expected = []
         for _ in range(3):
             expected.append(int(_hf_logits(hf, prompt + expected).argmax()))
@@ -58,7 +69,8 @@ def test_the_draft_models_q_and_greedy_chain_are_its_own():
             ref = torch.full_like(logits, float("-inf")).index_fill(0, top, 0) + logits
             torch.testing.assert_close(q[j], ref.softmax(-1), rtol=1e-5, atol=1e-6)
             assert int(tokens[j]) in top.tolist()  # drawn from q: inside its top-k support
-    again = drafter.propose([sampled], [2], Sampler(5))[0][0]
+    drafter.forget(["s"])
+    again = drafter.propose([sampled], [2], _tables(1), Sampler(5))[0][0]
     assert again == tokens  # a seeded request drafts the same tokens whatever the engine's generator
 
 
@@ -76,18 +88,22 @@ def test_tiny_llama_draft_is_tiny_llamas_first_layer():
     assert same and all(torch.equal(draft[k], target[k]) for k in same)
 
 
-def test_the_draft_cache_rolls_back_to_the_verified_prefix():
-    """Step after step, with some drafts rejected (a token the draft did not propose appended): the drafts
-    from the kept, cropped cache are the ones a fresh draft model computes from the tokens alone."""
+def test_one_batched_draft_forward_equals_each_request_alone_after_rollbacks():
+    """Three requests of different lengths in one batch, step after step, each with some drafts rejected
+    (a token the draft did not propose appended): the drafts from the shared forward over the kept,
+    rolled-back cache are the ones a fresh drafter computes for each request alone from its tokens."""
     config = ModelConfig.load("tiny-llama-draft")
-    kept = DraftModel(config, 3, torch.float32, torch.device("cpu"))
-    request = Request("g", [5, 9, 17, 33, 65], SamplingParams(temperature=0.0))
+    kept = _drafter(config)
+    requests = [Request(f"r{i}", prompt, SamplingParams(temperature=0.0))
+                for i, prompt in enumerate([[5, 9, 17, 33, 65], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9]])]
     for step in range(4):
-        drafts = kept.propose([request], [3], Sampler(0))[0][0]
-        fresh = DraftModel(config, 3, torch.float32, torch.device("cpu")).propose([request], [3], Sampler(0))[0][0]
-        assert drafts == fresh, step
-        accepted = drafts[:step % 3]  # 0, 1, 2, 0 drafts accepted, then a token of the target's own
-        for token in [*accepted, (drafts[len(accepted)] + 1) % 512]:
-            request.append_token(token, 0.0)
-    kept.forget(["g"])
-    assert not kept.caches
+        counts = [3, 1 + step % 3, 2]
+        drafts = kept.propose(requests, counts, _tables(3), Sampler(0))[0]
+        for i, request in enumerate(requests):
+            fresh = _drafter(config).propose([request], [counts[i]], _tables(1), Sampler(0))[0][0]
+            assert drafts[i] == fresh, (step, i)
+            accepted = drafts[i][:(step + i) % (counts[i] + 1)]  # 0..all drafts accepted, then the target's token
+            for token in [*accepted, (drafts[i][len(accepted) % counts[i]] + 1) % 512]:
+                request.append_token(token, 0.0)
+    kept.forget([r.request_id for r in requests])
+    assert not kept.cached
