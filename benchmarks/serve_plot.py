@@ -7,6 +7,7 @@ with the batch. The SLO lines show the highest throughput that still meets them.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 PANELS = (("ttft", "TTFT"), ("tpot", "TPOT"))
@@ -74,12 +75,13 @@ def plot_side_by_side(points: list[Any], slos: dict[str, float], path: str, titl
         ax.set_title(f"{label} vs achieved throughput")
         ax.legend(fontsize=7)
     axes[2].set_xscale("log", base=2)
-    axes[2].set_xlabel("offered rate (requests/s; 'all at once' drawn at 2x the highest)")
+    axes[2].set_xlabel("offered rate (requests/s, log; 'inf' at 2x the highest)")
     axes[2].set_ylabel("goodput (requests/s meeting every SLO)")
     axes[2].set_title("goodput vs offered rate")
     axes[2].legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return fig

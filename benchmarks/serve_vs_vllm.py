@@ -178,7 +178,7 @@ def format_table(points: list[Point]) -> str:
     """The markdown table docs/benchmarks.md takes, one row per (rate, server), in the order they ran."""
     lines = ["| offered req/s | server | achieved req/s | output tok/s | TTFT P50 / P90 / P99 ms | "
              "TPOT P50 / P90 / P99 ms | ITL P50 / P90 / P99 ms | goodput req/s | failed | "
-             "CPU s: this server / other server / client / others | round |",
+             "CPU s: this server / other server / client / others | quiet/loaded |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         s = p.summary
@@ -291,8 +291,7 @@ def main(argv: list[str] | None = None) -> list[Point]:
             points.append(p)
             print(f"[{k + 1}/{len(order)}] {server:10s} rate {rate:g}: {p.summary['request_throughput']:.2f} req/s, "
                   f"TTFT P99 {p.summary['ttft']['p99_ms']:.0f} ms, TPOT P99 {p.summary['tpot']['p99_ms']:.0f} ms, "
-                  f"others {p.other_cpu_s:.1f} CPU s ({p.label}){' ' + str(p.summary.get('errors')) if p.summary.get('errors') else ''}",
-                  flush=True)
+                  f"others {p.other_cpu_s:.1f} CPU s ({p.label}) {p.summary.get('errors', '')}", flush=True)
     finally:
         for s in servers:
             s.stop()
@@ -303,14 +302,15 @@ def main(argv: list[str] | None = None) -> list[Point]:
     for s in ("engine", "vllm serve"):
         print(knee(points, s, slos))
     print(run_summary(points, os.cpu_count() or 1))
+    if a.result_file:  # first: a failing plot must not lose the numbers
+        Path(a.result_file).write_text(json.dumps({"args": vars(a), "points": [p.__dict__ for p in points]}, indent=1))
     if a.plot and points:
         from benchmarks.serve_plot import plot_side_by_side
 
+        others, wall = sum(p.other_cpu_s for p in points), sum(p.wall_s for p in points)
         plot_side_by_side(points, slos, a.plot, title=f"{a.model}, {a.dtype}, "
-                          f"{load_label(sum(p.other_cpu_s for p in points), sum(p.wall_s for p in points), os.cpu_count() or 1)}")
+                          f"{load_label(others, wall, os.cpu_count() or 1)} (others {others:.0f} CPU s in {wall:.0f} s)")
         print(f"wrote {a.plot}")
-    if a.result_file:
-        Path(a.result_file).write_text(json.dumps({"args": vars(a), "points": [p.__dict__ for p in points]}, indent=1))
     return points
 
 
