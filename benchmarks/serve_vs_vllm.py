@@ -174,11 +174,12 @@ def _ms(d: dict[str, float]) -> str:
     return " / ".join(f"{d[f'p{p}_ms']:.0f}" for p in serve.PERCENTILES)
 
 
-def format_table(points: list[Point]) -> str:
-    """The markdown table docs/benchmarks.md takes, one row per (rate, server), in the order they ran."""
+def format_table(points: list[Point], num_cpus: int) -> str:
+    """The markdown table docs/benchmarks.md takes, one row per (rate, server), in the order they ran; the
+    label column adds the others' share of the machine's CPU over the point."""
     lines = ["| offered req/s | server | achieved req/s | output tok/s | TTFT P50 / P90 / P99 ms | "
              "TPOT P50 / P90 / P99 ms | ITL P50 / P90 / P99 ms | goodput req/s | failed | "
-             "CPU s: this server / other server / client / others | quiet/loaded |",
+             "CPU s: this server / other server / client / others | quiet/loaded (others' share) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         s = p.summary
@@ -188,7 +189,7 @@ def format_table(points: list[Point]) -> str:
         lines.append(f"| {p.request_rate:g} | {p.server} | {s['request_throughput']:.2f} | "
                      f"{s['output_throughput']:.1f} | {_ms(s['ttft'])} | {_ms(s['tpot'])} | {_ms(s['itl'])} | "
                      f"{goodput} | {s['failed']} | {mine:.1f} / {other:.1f} / {p.client_cpu_s:.1f} / "
-                     f"{p.other_cpu_s:.1f} | {p.label} |")
+                     f"{p.other_cpu_s:.1f} | {p.label} ({p.other_cpu_s / (p.wall_s * num_cpus):.0%}) |")
     return "\n".join(lines)
 
 
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> list[Point]:
             s.stop()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     print()
-    print(format_table(points))
+    print(format_table(points, os.cpu_count() or 1))
     print()
     for s in ("engine", "vllm serve"):
         print(knee(points, s, slos))

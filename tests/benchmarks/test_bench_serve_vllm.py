@@ -77,10 +77,11 @@ def _points() -> list[Point]:
 
 def test_table_knee_and_run_line(tmp_path: Path) -> None:
     points = _points()
-    table = format_table(points)
+    table = format_table(points, 2)
     assert table.splitlines()[2] == ("| 1 | engine | 0.90 | 36.0 | 1 / 2 / 50 | 1 / 2 / 9 | 1 / 2 / 8 | 0.90 | 0 | "
-                                     "3.0 / 0.5 / 1.0 / 0.5 | quiet |")
+                                     "3.0 / 0.5 / 1.0 / 0.5 | quiet (2%) |")
     assert "| inf | vllm serve | 3.00 | 120.0 |" in table and table.count("\n") == 5
+    assert table.splitlines()[3].endswith("| 4.0 / 0.2 / 1.0 / 6.0 | loaded (30%) |")  # 6 CPU s of 2 x 10 s
     assert knee(points, "vllm serve", {"ttft": 1.0}).startswith("vllm serve: goodput peaks at 1.50 req/s (offered inf/s")
     assert knee(points, "engine", {}) == "engine: -"
     line = run_summary(points, 2)  # others 8.5 CPU s over 30 s on 2 cores: 14% > 10%
