@@ -25,12 +25,12 @@ import os
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from benchmarks import serve
-from benchmarks.decode_latency import busy_seconds
 from benchmarks.server_procs import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,6 +63,8 @@ class Accounting:
 
     @staticmethod
     def read(servers: Sequence[ServerProcess]) -> "Accounting":
+        from benchmarks.decode_latency import busy_seconds  # here: it imports torch, which the client needs not
+
         machine, client = busy_seconds()
         return Accounting(machine, client, {s.name: s.cpu_seconds() for s in servers})
 
@@ -223,6 +225,27 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise _Terminated(f"signal {signum}")
 
 
+@contextmanager
+def torn_down() -> Iterator[list[ServerProcess]]:
+    """A list for the servers as they start: every one is stopped, with every process of its session, on
+    leaving, on an error, on Ctrl-C and on SIGTERM (`timeout`'s; raised as an exception so this runs).
+    A second signal during the teardown is ignored rather than cutting it short."""
+    servers: list[ServerProcess] = []
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield servers
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for s in servers:
+            try:
+                s.stop()
+            except Exception as e:  # the next server still gets its stop
+                print(f"stopping {s.name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        signal.signal(signal.SIGINT, interrupt)
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> list[Point]:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.serve_vs_vllm", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -262,11 +285,10 @@ def main(argv: list[str] | None = None) -> list[Point]:
 
     model_dir, name = resolve_model(a.model), "model"
     t0 = time.monotonic()
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    servers: list[ServerProcess] = []
     points: list[Point] = []
-    try:
-        servers = [engine_server(model_dir, name, a), vllm_server(a.vllm_python, model_dir, name, a)]
+    with torn_down() as servers:
+        servers.append(engine_server(model_dir, name, a))
+        servers.append(vllm_server(a.vllm_python, model_dir, name, a))
         for s in servers:
             print(f"{s.name}: healthy after {s.wait_healthy(a.startup_timeout_s):.0f} s on {s.url}", flush=True)
         print(f"model {a.model} ({model_dir}), {a.dtype}, max_num_seqs {a.max_num_seqs}, max_num_batched_tokens "
@@ -293,10 +315,6 @@ def main(argv: list[str] | None = None) -> list[Point]:
             print(f"[{k + 1}/{len(order)}] {server:10s} rate {rate:g}: {p.summary['request_throughput']:.2f} req/s, "
                   f"TTFT P99 {p.summary['ttft']['p99_ms']:.0f} ms, TPOT P99 {p.summary['tpot']['p99_ms']:.0f} ms, "
                   f"others {p.other_cpu_s:.1f} CPU s ({p.label}) {p.summary.get('errors', '')}", flush=True)
-    finally:
-        for s in servers:
-            s.stop()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     print()
     print(format_table(points, os.cpu_count() or 1))
     print()

@@ -95,8 +95,12 @@ class ServerProcess:
         its session still there after `grace_s`; returns once none is left. Safe to call twice."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + grace_s
+        deadline, orphans_since = time.monotonic() + grace_s, None
         while (self.proc.poll() is None or session_members(self.proc.pid)) and time.monotonic() < deadline:
+            if self.proc.returncode is not None:  # the leader is gone: what it left gets 2 s, not the whole grace
+                orphans_since = orphans_since or time.monotonic()
+                if time.monotonic() - orphans_since > 2.0:
+                    break
             time.sleep(0.1)
         for _ in range(50):  # what ignored SIGINT (or forked meanwhile): by pid, the session's own
             left = session_members(self.proc.pid)

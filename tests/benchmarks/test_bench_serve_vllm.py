@@ -1,9 +1,12 @@
 """benchmarks.serve_vs_vllm without vLLM: the rotation of the servers over the sweep, the CPU accounting
 and its quiet/loaded label at the boundary, the greedy sanity line, the table, the picture, and the
 server processes' life (healthy, CPU counted per session, every process of the session gone after
-stop, even one that ignores SIGINT; a server that dies says why)."""
+stop, even one that ignores SIGINT; a server that dies says why; SIGTERM or Ctrl-C to the benchmark
+leaves none of its servers' processes behind)."""
 from __future__ import annotations
 
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,6 +18,7 @@ from benchmarks.serve_vs_vllm import (Accounting, Point, format_table, greedy_ch
                                       run_summary, schedule)
 
 pytestmark = pytest.mark.timeout(60)
+ROOT = Path(__file__).resolve().parents[2]
 
 # /health after ~0.2 s of CPU; a forked child that ignores SIGINT stays in the session
 FAKE_SERVER = '''
@@ -141,3 +145,36 @@ def test_a_server_that_dies_says_so_with_its_log(tmp_path: Path) -> None:
             server.wait_healthy(30.0)
     finally:
         server.stop(grace_s=1.0)
+
+
+HOLDER = '''
+import sys, time
+from benchmarks.serve_vs_vllm import torn_down
+from benchmarks.server_procs import ServerProcess, free_port
+with torn_down() as servers:
+    port = free_port()
+    servers.append(ServerProcess("fake", [sys.executable, sys.argv[1], str(port)], port))
+    servers[0].wait_healthy(30.0)
+    print(servers[0].proc.pid, flush=True)
+    time.sleep(60)
+'''
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["timeout's SIGTERM", "Ctrl-C"])
+def test_a_signal_to_the_benchmark_tears_its_servers_down(tmp_path: Path, sig: int) -> None:
+    (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "fake_server.py")], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        sid = int(holder.stdout.readline())
+        deadline = time.monotonic() + 5
+        while len(session_members(sid)) < 2 and time.monotonic() < deadline:  # the forked child is up
+            time.sleep(0.05)
+        assert len(session_members(sid)) == 2
+        holder.send_signal(sig)
+        assert holder.wait(30) != 0  # it left through the exception, not the end of its sleep
+        assert session_members(sid) == [], "a server process outlived the benchmark"
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(10)
