@@ -145,8 +145,18 @@ async def greedy_outputs(url: str, name: str, prompts: list[list[int]], max_toke
         return outs
 
 
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items a and b share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def greedy_check(outputs: dict[str, list[dict[str, Any]]]) -> str:
-    """The sanity line: how many prompts got the same greedy output from every server."""
+    """The sanity line: how many prompts got the same greedy output from every server, and (by token ids) the
+    share of the first server's tokens every other one matched up to its first difference (bf16 rounds
+    differently in two implementations, and one flipped argmax changes the rest of a greedy sequence)."""
     names = list(outputs)
     per_prompt = list(zip(*outputs.values()))
     with_ids = all(o["token_ids"] is not None for outs in per_prompt for o in outs)
@@ -154,8 +164,12 @@ def greedy_check(outputs: dict[str, list[dict[str, Any]]]) -> str:
     same = sum(all(o[key] == outs[0][key] for o in outs) for outs in per_prompt)
     what = "token ids" if with_ids else "text (a server returned no token ids)"
     verdict = "OK" if same == len(per_prompt) else "MISMATCH"
-    return (f"greedy sanity ({' vs '.join(names)}): {same}/{len(per_prompt)} prompts identical, compared by {what}: "
-            f"{verdict}")
+    line = f"greedy sanity ({' vs '.join(names)}): {same}/{len(per_prompt)} prompts identical, compared by {what}"
+    if with_ids:
+        total = sum(len(outs[0]["token_ids"]) for outs in per_prompt)
+        agree = sum(min(common_prefix(outs[0]["token_ids"], o["token_ids"]) for o in outs[1:]) for outs in per_prompt)
+        line += f", {agree / max(total, 1):.1%} of tokens agree up to each first difference"
+    return f"{line}: {verdict}"
 
 
 def measure(server: ServerProcess, servers: Sequence[ServerProcess], name: str, w: tuple[list[list[int]], list[int]],

@@ -103,9 +103,11 @@ def test_table_knee_and_run_line(tmp_path: Path) -> None:
 def test_greedy_check_compares_ids_where_every_server_gives_them() -> None:
     same = {"engine": [{"text": "ab", "token_ids": None}], "vllm serve": [{"text": "ab", "token_ids": [5, 6]}]}
     assert greedy_check(same).endswith("1/1 prompts identical, compared by text (a server returned no token ids): OK")
-    ids = {"a": [{"text": "x", "token_ids": [1]}, {"text": "y", "token_ids": [2]}],
-           "b": [{"text": "x", "token_ids": [1]}, {"text": "y", "token_ids": [3]}]}
-    assert greedy_check(ids).endswith("1/2 prompts identical, compared by token ids: MISMATCH")
+    ids = {"a": [{"text": "x", "token_ids": [1, 2]}, {"text": "y", "token_ids": [2, 5, 6, 7]}],
+           "b": [{"text": "x", "token_ids": [1, 2]}, {"text": "y", "token_ids": [2, 5, 9, 7]}]}
+    # 2 + 2 of the 6 tokens before each first difference
+    assert greedy_check(ids).endswith("1/2 prompts identical, compared by token ids, 66.7% of tokens agree up to "
+                                      "each first difference: MISMATCH")
 
 
 def test_server_process_is_healthy_counted_and_leaves_nothing(tmp_path: Path) -> None:
