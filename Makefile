@@ -19,7 +19,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-kernels bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm bench-act-order quant-step gpu-check labs grade clean
+.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-serve-vllm bench-kernels bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm bench-act-order quant-step gpu-check labs grade clean
 
 venv: $(STAMP)
 
@@ -107,6 +107,15 @@ $(VLLM_STAMP):
 bench-vllm: venv $(VLLM_STAMP)
 	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.vs_vllm --vllm-python $(VLLM_VENV)/bin/python --model small-llama \
 		--num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0 --rounds 3 $(BENCH_ARGS)
+
+# This engine's OpenAI server and `vllm serve` (the CPU build) under the same load generator, side by side
+# (docs/benchmarks.md): small-llama, fp32, a request-rate sweep with the two servers alternating per point,
+# both torn down on exit, error or Ctrl-C. At most ~11.5 min with vLLM's first-start compile: points that
+# would end past 640 s are skipped, and `timeout` is the backstop (its SIGTERM tears the servers down too).
+bench-serve-vllm: venv $(VLLM_STAMP)
+	OMP_WAIT_POLICY=PASSIVE timeout --foreground --signal=TERM --kill-after=60 700 $(PY) -m benchmarks.serve_vs_vllm \
+		--vllm-python $(VLLM_VENV)/bin/python --model small-llama --dtype float32 \
+		--plot docs/images/serve_vs_vllm.png $(BENCH_ARGS)
 
 bench-kernels: venv
 	$(PY) -m benchmarks.kernels

@@ -7,6 +7,7 @@ with the batch. The SLO lines show the highest throughput that still meets them.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 PANELS = (("ttft", "TTFT"), ("tpot", "TPOT"))
@@ -34,5 +35,53 @@ def plot_sweep(summaries: list[dict[str, Any]], slos: dict[str, float], path: st
         ax.set_title(f"{title} vs throughput (labels: offered rate)")
         ax.legend(fontsize=8)
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return fig
+
+
+SIDE_COLORS = ("tab:blue", "tab:orange", "tab:green")
+
+
+def offered_x(rates: list[float]) -> list[float]:
+    """Where to draw each offered rate on a log axis: 'all at once' (inf) at twice the highest finite one."""
+    finite = [r for r in rates if r != float("inf")]
+    return [2 * max(finite, default=0.5) if r == float("inf") else r for r in rates]
+
+
+def plot_side_by_side(points: list[Any], slos: dict[str, float], path: str, title: str = "") -> Any:
+    """Several servers' sweeps on one picture (benchmarks.serve_vs_vllm's Points): P50/P99 TTFT and
+    TPOT against achieved throughput, and goodput against the offered rate, one colour per server."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    servers = list(dict.fromkeys(p.server for p in points))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4), constrained_layout=True)
+    for server, color in zip(servers, SIDE_COLORS):
+        mine = sorted((p for p in points if p.server == server), key=lambda p: p.request_rate)
+        x = [p.summary["request_throughput"] for p in mine]
+        for ax, (key, label) in zip(axes, PANELS):
+            for q, style in (("p50", "o-"), ("p99", "s--")):
+                ax.plot(x, [p.summary[key][f"{q}_ms"] for p in mine], style, color=color,
+                        label=f"{server} {q.upper()}")
+        axes[2].plot(offered_x([p.request_rate for p in mine]), [p.summary.get("goodput", 0.0) for p in mine], "o-", color=color, label=server)
+    for ax, (key, label) in zip(axes, PANELS):
+        if key in slos:
+            ax.axhline(slos[key] * 1000.0, color="tab:red", linestyle=":", label=f"SLO {slos[key] * 1000.0:g} ms")
+        ax.set_yscale("log")
+        ax.set_xlabel("achieved throughput (requests/s)")
+        ax.set_ylabel(f"{label} (ms, log)")
+        ax.set_title(f"{label} vs achieved throughput")
+        ax.legend(fontsize=7)
+    axes[2].set_xscale("log", base=2)
+    axes[2].set_xlabel("offered rate (requests/s, log; 'inf' at 2x the highest)")
+    axes[2].set_ylabel("goodput (requests/s meeting every SLO)")
+    axes[2].set_title("goodput vs offered rate")
+    axes[2].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return fig

@@ -98,6 +98,24 @@ def test_n_choices_and_seeded_sampling(server, offline):
     assert texts[0] == texts[1], "a seed makes every choice reproducible"
 
 
+def test_return_token_ids_gives_the_greedy_ids_up_to_the_stop(server, offline):
+    """vLLM's `return_token_ids`: what benchmarks.serve_vs_vllm compares the two servers by."""
+    text, ids = offline(PROMPTS[4], 10)
+    asked = dict(model="m", prompt=PROMPTS[4], max_tokens=10, temperature=0.0,
+                 extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = server.client.completions.create(**asked).choices[0]
+    assert choice.text == text and choice.token_ids == list(ids)
+    plain = server.client.completions.create(model="m", prompt=PROMPTS[4], max_tokens=10, **GREEDY).choices[0]
+    assert plain.token_ids is None, "only when asked"
+    tok = offline.tokenizer
+    texts = [tok.decode([i], skip_special_tokens=True) for i in ids]
+    stop = next(t for t in texts[1:] if t and "\ufffd" not in t)  # a later token's text: the ids end at it
+    first = next(n for n in range(1, len(ids) + 1) if stop in tok.decode(ids[:n], skip_special_tokens=True))
+    cut = server.client.completions.create(**asked, stop=stop).choices[0]
+    assert cut.finish_reason == "stop" and cut.token_ids == list(ids[:first])
+    server.wait_idle()
+
+
 def test_stop_strings_cut_the_text_and_count_tokens_up_to_the_stop(server, offline):
     full, ids = offline(PROMPTS[3], 24)
     k = next(i for i in range(3, len(full) - 2) if "\ufffd" not in full[i:i + 2])

@@ -230,8 +230,9 @@ def build_app(llm: AsyncLLM, served_model_name: str, chat_template: str | None =
                                                                    choices=[], usage=u),
                         num_prompt, req, timings, metrics, first=None)
         finals = await _until_disconnected(raw, _collect(merged, timings, metrics))
-        choices = [CompletionResponseChoice(index=i, text=text, finish_reason=fr, stop_reason=sr)
-                   for i, (text, fr, sr, _) in sorted(finals.items())]
+        choices = [CompletionResponseChoice(index=i, text=text, finish_reason=fr, stop_reason=sr,
+                                            token_ids=ids if req.return_token_ids else None)
+                   for i, (text, fr, sr, _, ids) in sorted(finals.items())]
         return JSONResponse(CompletionResponse(id=rid, created=created, model=served_model_name, choices=choices,
                                                usage=_usage(num_prompt, finals)).model_dump())
 
@@ -258,7 +259,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, chat_template: str | None =
                 len(prompts[0]), req, timings, metrics, first=role_chunks)
         finals = await _until_disconnected(raw, _collect(merged, timings, metrics))
         choices = [ChatCompletionResponseChoice(index=i, message=ResponseMessage(content=text), finish_reason=fr,
-                                                stop_reason=sr) for i, (text, fr, sr, _) in sorted(finals.items())]
+                                                stop_reason=sr) for i, (text, fr, sr, _, _) in sorted(finals.items())]
         return JSONResponse(ChatCompletionResponse(id=rid, created=created, model=served_model_name, choices=choices,
                                                    usage=_usage(len(prompts[0]), finals)).model_dump())
 
@@ -288,7 +289,7 @@ def _as_openai_error(e: BaseException, prompt_param: str) -> BaseException:
 
 
 async def _collect(merged: Merged, timings: list[Timings], metrics: ServerMetrics) -> dict[int, tuple]:
-    """index -> (text, finish_reason, stop_reason, completion tokens) once every choice has ended."""
+    """index -> (text, finish_reason, stop_reason, completion tokens, token ids) once every choice has ended."""
     texts: dict[int, list[str]] = {}
     ends: dict[int, ChoiceEvent] = {}
     try:
@@ -299,7 +300,7 @@ async def _collect(merged: Merged, timings: list[Timings], metrics: ServerMetric
                 metrics.finished(timings[event.index], event.finish_reason)
     finally:
         metrics.aborted(timings, ends)
-    return {i: ("".join(texts[i]), e.finish_reason, e.stop_reason, e.num_tokens) for i, e in ends.items()}
+    return {i: ("".join(texts[i]), e.finish_reason, e.stop_reason, e.num_tokens, e.token_ids) for i, e in ends.items()}
 
 
 def _usage(num_prompt: int, finals: dict[int, tuple]) -> UsageInfo:

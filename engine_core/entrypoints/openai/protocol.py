@@ -58,6 +58,7 @@ class SamplingRequest(OpenAIModel):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
+    return_token_ids: bool = False  # vLLM's extra: each choice's token ids (not streamed)
     suffix: str | None = None
 
 
@@ -93,6 +94,7 @@ class CompletionResponseChoice(OpenAIModel):
     logprobs: None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids (vLLM's field)
 
 
 class CompletionResponse(OpenAIModel):

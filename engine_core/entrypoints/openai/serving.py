@@ -81,6 +81,7 @@ class ChoiceEvent:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_tokens: int = 0  # completion tokens so far
+    token_ids: list[int] | None = None  # on the last event only: the choice's ids, up to the stop if one cut it
 
 
 @dataclass
@@ -108,7 +109,8 @@ class TextTracker:
             text = text[:max(len(self.sent), len(text) - hold)]
         delta = text[len(self.sent):] if text.startswith(self.sent) else ""
         self.sent += delta
-        return ChoiceEvent(index, delta, finish_reason, stop_reason, num_tokens)
+        ids = list(token_ids[:num_tokens]) if finish_reason is not None else None
+        return ChoiceEvent(index, delta, finish_reason, stop_reason, num_tokens, ids)
 
     def _first_prefix_with(self, token_ids: list[int], stop: str) -> int:
         """The fewest leading tokens whose text contains `stop` (binary search: containment only grows)."""
