@@ -82,3 +82,31 @@ def test_block_refuses_a_qkv_of_another_shape() -> None:
         block(qkv[:, :-16], kv.key_cache, kv.value_cache, 0.25)
     with pytest.raises(ValueError, match="DecodeAttentionBlock"):
         block(qkv.bfloat16(), kv.key_cache, kv.value_cache, 0.25)
+
+
+def test_the_engine_fuses_decode_steps_unless_a_seam_is_replaced(monkeypatch) -> None:
+    """Decode steps take the fused block; with `AttentionPlan.write_kv` replaced (lab 14's seam) the replacement
+    runs on every layer instead, and the greedy tokens are the same either way."""
+    from engine_core.engine import LLMEngine
+    from engine_core.models.attention import AttentionPlan
+    from engine_core.request import SamplingParams
+
+    engine = LLMEngine.from_kwargs("tiny-llama", dtype="float32")
+    blocks, writes = [], []
+    real_call, real_write = cpu.DecodeAttentionBlock.__call__, AttentionPlan.write_kv
+
+    def generate(tag: str) -> list[int]:
+        engine.add_request(tag, [5, 6, 7, 8, 9], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        out = []
+        while engine.has_unfinished_requests():
+            out = next((o.outputs[0].token_ids for o in engine.step() if o.finished), out)
+        return list(out)
+
+    monkeypatch.setattr(cpu.DecodeAttentionBlock, "__call__", lambda self, *a: blocks.append(1) or real_call(self, *a))
+    fused = generate("fused")
+    layers = len(engine.runner.model.layers)
+    assert len(blocks) == 5 * layers  # 5 decode steps after the prefill, every layer
+    monkeypatch.setattr(AttentionPlan, "write_kv", lambda self, *a: writes.append(1) or real_write(self, *a))
+    blocks.clear()
+    assert generate("seam") == fused
+    assert not blocks and len(writes) == 6 * layers
