@@ -19,7 +19,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-vllm-real bench-steps bench-llamacpp bench-kernels bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm gpu-check labs grade clean
+.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-vllm-real bench-steps bench-threads bench-llamacpp bench-kernels bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm gpu-check labs grade clean
 
 venv: $(STAMP)
 
@@ -124,6 +124,11 @@ bench-vllm-real: venv $(VLLM_STAMP)
 bench-steps: venv
 	OMP_WAIT_POLICY=PASSIVE timeout 720 $(PY) -m benchmarks.step_overhead --formats fp32,bf16,gguf --threads 1,2 \
 		--rounds 4 --output-len 64 --phases $(BENCH_ARGS)
+
+# make bench's workload at 1 and 2 threads, alternating in one process, fp32 and bf16: tok/s, CPU / wall. ~5 min quiet.
+bench-threads: venv
+	OMP_WAIT_POLICY=PASSIVE timeout 720 $(PY) -m benchmarks.thread_scaling --model small-llama --num-requests 64 \
+		--input-len 16:512 --output-len 16:256 --seed 0 --dtypes float32,bfloat16 --threads 1,2 --rounds 3 $(BENCH_ARGS)
 
 # llama.cpp on the real model's own Q4_1 GGUF vs the engine's gguf path: batch-1 decode and 32 requests. The first
 # run builds llama-cpp-python from source into .venv-llamacpp (never .venv; ~8 min with the system compiler).

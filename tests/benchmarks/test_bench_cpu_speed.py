@@ -58,3 +58,12 @@ def test_llamacpp_report_gives_ms_per_token_and_ratios(capsys) -> None:
     text = capsys.readouterr().out
     assert "| llama.cpp | 150.0 / 100.0 | 6.7 | 100 | 1 / 2 |" in text
     assert out["engine"]["decode_ms"] == 300.0 and "batch-1 decode 2.00x llama.cpp's ms/token" in text
+
+
+def test_thread_scaling_prints_a_row_per_thread_count(capsys) -> None:
+    from benchmarks import thread_scaling
+
+    rows = thread_scaling.main(["--model", "tiny-llama", "--num-requests", "3", "--input-len", "4:8", "--output-len",
+                                "3:4", "--dtypes", "float32", "--threads", "1,2", "--rounds", "2"])
+    text = capsys.readouterr().out
+    assert set(rows) == {("float32", 1), ("float32", 2)} and "| float32 | 1 |" in text and "1.00x |" in text
