@@ -55,7 +55,8 @@ class VllmProcess:
     """The driver in vLLM's venv: sent the workload once, then asked for one timed run at a time."""
 
     def __init__(self, python: str, spec: dict[str, Any], env: dict[str, str], driver: Path = DRIVER) -> None:
-        self.proc = subprocess.Popen([python, str(driver)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        # -P: not the script's folder first on sys.path (benchmarks/kernels.py would shadow the `kernels` package)
+        self.proc = subprocess.Popen([python, "-P", str(driver)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env=env)
         self._send(json.dumps(spec))
         self.start_s = self._read()["start_s"]
