@@ -123,7 +123,7 @@ bench-vllm-real: venv $(VLLM_STAMP)
 # in one process, at fp32, bf16 and gguf, 1 and 2 threads, then where a step's time goes per phase. ~6 min quiet.
 bench-steps: venv
 	OMP_WAIT_POLICY=PASSIVE timeout 720 $(PY) -m benchmarks.step_overhead --formats fp32,bf16,gguf --threads 1,2 \
-		--rounds 4 --output-len 64 --phases $(BENCH_ARGS)
+		--rounds 4 --output-len 64 --phases --machine $(BENCH_ARGS)
 
 # make bench's workload at 1 and 2 threads, alternating in one process, fp32 and bf16: tok/s, CPU / wall. ~5 min quiet.
 bench-threads: venv

@@ -1,7 +1,7 @@
 """Batch-1 decode steps on the real model: where the time goes, and the fused attention block on vs off.
 
     python -m benchmarks.step_overhead --model smollm2-135m-instruct --formats fp32,bf16,gguf --threads 1,2 \
-        --rounds 5 --output-len 64
+        --rounds 5 --output-len 64 --phases --machine
 
 Per format (fp32, bf16, gguf: the wheel's Q4_1 blocks as int4 with bf16 activations) one engine serves one
 greedy request at a time. Each round runs both variants of a decode step, in an order that alternates from
@@ -15,7 +15,9 @@ processes held the core), the process's CPU time over wall (how many cores the s
 CPU time other processes used during the variant's runs (`decode_latency.busy_seconds`: 0 on a quiet
 machine). Greedy tokens must be identical across variants. `--phases` then times each phase of a step
 (the layers' GEMMs, the LM head, each C kernel, what is left: Python and dispatch) by wrapping each one: main
-thread CPU and process CPU per step, so the second thread's share per phase shows.
+thread CPU and process CPU per step, so the second thread's share per phase shows. `--machine`: where the step
+stands against the machine: the bytes a step reads (weights as stored + the K/V) over the measured read
+bandwidth (a 512 MB sum), and the step's linears alone (the GEMM floor at batch 1) over the step's time.
 """
 from __future__ import annotations
 
@@ -157,6 +159,44 @@ def phases(engine: LLMEngine, prompt: list[int], output_len: int) -> dict[str, t
     return out
 
 
+def read_bandwidth(mb: int = 512, repeats: int = 3) -> float:
+    """GB/s of an `mb` MB fp32 sum at the current thread count, best of `repeats` (512: far past the 32 MiB L3)."""
+    x = torch.ones(mb * 2**18)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.nbytes / best / 1e9
+
+
+@torch.inference_mode()
+def linears_alone_ms(engine: LLMEngine, repeats: int = 5) -> float:
+    """One batch-1 decode step's linears (every layer's four, then the LM head), the model's own modules on
+    random rows, back to back: best of `repeats`, ms. The GEMM floor of a step at this batch size."""
+    model = engine.runner.model
+    lins = [m for layer in model.layers for m in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
+                                                 layer.mlp.down_proj)] + [model.lm_head_proj]
+    dtype = model.cos.dtype
+    xs = [torch.randn(1, getattr(m, "input_size", None) or m.weight.shape[1]).to(dtype) for m in lins]
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for m, x in zip(lins, xs):
+            m(x)
+        best = min(best, time.perf_counter() - t)
+    return 1e3 * best
+
+
+def step_bytes(engine: LLMEngine, context: int) -> int:
+    """Bytes a batch-1 decode step reads: every weight as stored (the tied LM head once) plus the K/V of
+    `context` tokens in every layer."""
+    runner = engine.runner
+    args = runner.model_config.args
+    kv = 2 * len(runner.model.layers) * context * args.num_kv_heads * args.head_dim * runner.kv_cache.key[0].element_size()
+    return runner.model.weight_bytes() + kv
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -166,9 +206,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--phases", action="store_true", help="then a per-phase breakdown of one run per thread count")
+    ap.add_argument("--machine", action="store_true",
+                    help="then the machine's floors: read bandwidth, the step's linears alone, bytes per step")
+    ap.add_argument("--bandwidth-mb", type=int, default=512, help="the array the read bandwidth sums")
     a = ap.parse_args(argv)
     threads = [int(t) for t in a.threads.split(",")]
-    rows, phase_rows = [], []
+    rows, phase_rows, machine_rows = [], [], []
     for fmt in a.formats.split(","):
         engine = LLMEngine.from_kwargs(a.model, **engine_kwargs(fmt))
         prompt = [(7 + 31 * i) % (engine.vocab_size - 3) + 3 for i in range(a.input_len)]
@@ -180,6 +223,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{fmt} {t} thread(s) {name}: {r}", flush=True)
             if a.phases:
                 phase_rows.append((fmt, t, phases(engine, prompt, a.output_len)))
+            if a.machine:
+                fused = next(r for f, tt, n, r in rows if f == fmt and tt == t and n == "fused block")
+                machine_rows.append((fmt, t, step_bytes(engine, a.input_len + a.output_len // 2), read_bandwidth(a.bandwidth_mb),
+                                     linears_alone_ms(engine), fused["wall_ms"]))
         del engine
     other = sum(r["other_cpu_s"] for *_, r in rows)
     print(f"\nSmolLM2 batch-1 decode, {a.input_len}-token prompt, {a.output_len} tokens, medians of {a.rounds} "
@@ -190,6 +237,15 @@ def main(argv: list[str] | None = None) -> None:
     for fmt, t, name, r in rows:
         print(f"| {fmt} | {t} | {name} | {r['wall_ms']:.1f} | {1e3 / r['wall_ms']:.1f} | {r['cpu_ms']:.1f} | "
               f"{r['cpu_per_wall']:.2f} | {r['other_cpu_s']:.0f} |")
+    if machine_rows:
+        print("\nAgainst the machine (same process, right after each format's rounds; the linears alone: the model's "
+              "modules on random rows, best of 5):\n\n| format | threads | bytes per decode step (MB) | read bandwidth "
+              "GB/s (512 MB sum) | floor ms (bytes / bandwidth) | linears alone ms | decode step ms | floor / step | "
+              "linears alone / step |\n|---|---|---|---|---|---|---|---|---|")
+        for fmt, t, b, bw, lin, step in machine_rows:
+            floor = b / bw / 1e6
+            print(f"| {fmt} | {t} | {b / 1e6:.0f} | {bw:.1f} | {floor:.1f} | {lin:.1f} | {step:.1f} | "
+                  f"{floor / step:.0%} | {lin / step:.0%} |")
     for fmt, t, ph in phase_rows:
         print(f"\n{fmt}, {t} thread(s), per decode step (wrapped, so a little slower):\n\n"
               "| phase | calls | main-thread CPU ms | process CPU ms (all threads) |\n|---|---|---|---|")

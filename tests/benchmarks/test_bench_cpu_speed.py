@@ -14,11 +14,12 @@ from benchmarks.workload import Workload
 
 def test_step_overhead_runs_both_variants_and_times_each_phase(capsys) -> None:
     step_overhead.main(["--model", "tiny-llama", "--formats", "fp32", "--threads", "1", "--rounds", "2",
-                        "--input-len", "6", "--output-len", "5", "--phases"])
+                        "--input-len", "6", "--output-len", "5", "--phases", "--machine", "--bandwidth-mb", "8"])
     text = capsys.readouterr().out
     assert "| fp32 | 1 | separate ops |" in text and "| fp32 | 1 | fused block |" in text
     assert "| C decode_attention_block | 2 |" in text  # tiny-llama's 2 layers, once each per decode step
     assert "| rest (Python, dispatch, scheduler, sampler) |" in text
+    assert "| fp32 | 1 |" in text.split("Against the machine")[1]
 
 
 def test_tree_cpu_seconds_counts_a_busy_child() -> None:
