@@ -159,33 +159,38 @@ def phases(engine: LLMEngine, prompt: list[int], output_len: int) -> dict[str, t
     return out
 
 
-def read_bandwidth(mb: int = 512, repeats: int = 3) -> float:
-    """GB/s of an `mb` MB fp32 sum at the current thread count, best of `repeats` (512: far past the 32 MiB L3)."""
-    x = torch.ones(mb * 2**18)
-    best = float("inf")
+def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """(best wall seconds, best process CPU seconds per thread) of `repeats` calls: on a loaded machine the CPU
+    time per thread is what the work took on the cores it got, the wall time also counts waiting for them."""
+    wall = cpu = float("inf")
     for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.nbytes / best / 1e9
+        t, c = time.perf_counter(), time.process_time()
+        fn()
+        wall = min(wall, time.perf_counter() - t)
+        cpu = min(cpu, (time.process_time() - c) / torch.get_num_threads())
+    return wall, cpu
+
+
+def read_bandwidth(mb: int = 512, repeats: int = 3) -> tuple[float, float]:
+    """GB/s of an `mb` MB fp32 sum at the current thread count, best of `repeats` (512: far past the 32 MiB L3),
+    by wall time and by CPU time per thread."""
+    x = torch.ones(mb * 2**18)
+    wall, cpu = _best(x.sum, repeats)
+    return x.nbytes / wall / 1e9, x.nbytes / cpu / 1e9
 
 
 @torch.inference_mode()
-def linears_alone_ms(engine: LLMEngine, repeats: int = 5) -> float:
+def linears_alone_ms(engine: LLMEngine, repeats: int = 5) -> tuple[float, float]:
     """One batch-1 decode step's linears (every layer's four, then the LM head), the model's own modules on
-    random rows, back to back: best of `repeats`, ms. The GEMM floor of a step at this batch size."""
+    random rows, back to back: best of `repeats`, ms by wall and by CPU per thread. The GEMM floor of a step at
+    this batch size."""
     model = engine.runner.model
     lins = [m for layer in model.layers for m in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
                                                  layer.mlp.down_proj)] + [model.lm_head_proj]
     dtype = model.cos.dtype
     xs = [torch.randn(1, getattr(m, "input_size", None) or m.weight.shape[1]).to(dtype) for m in lins]
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        for m, x in zip(lins, xs):
-            m(x)
-        best = min(best, time.perf_counter() - t)
-    return 1e3 * best
+    wall, cpu = _best(lambda: [m(x) for m, x in zip(lins, xs)], repeats)
+    return 1e3 * wall, 1e3 * cpu
 
 
 def step_bytes(engine: LLMEngine, context: int) -> int:
@@ -225,8 +230,9 @@ def main(argv: list[str] | None = None) -> None:
                 phase_rows.append((fmt, t, phases(engine, prompt, a.output_len)))
             if a.machine:
                 fused = next(r for f, tt, n, r in rows if f == fmt and tt == t and n == "fused block")
-                machine_rows.append((fmt, t, step_bytes(engine, a.input_len + a.output_len // 2), read_bandwidth(a.bandwidth_mb),
-                                     linears_alone_ms(engine), fused["wall_ms"]))
+                machine_rows.append((fmt, t, step_bytes(engine, a.input_len + a.output_len // 2),
+                                     *read_bandwidth(a.bandwidth_mb), *linears_alone_ms(engine), fused["wall_ms"],
+                                     fused["cpu_ms"]))
         del engine
     other = sum(r["other_cpu_s"] for *_, r in rows)
     print(f"\nSmolLM2 batch-1 decode, {a.input_len}-token prompt, {a.output_len} tokens, medians of {a.rounds} "
@@ -239,13 +245,15 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['cpu_per_wall']:.2f} | {r['other_cpu_s']:.0f} |")
     if machine_rows:
         print("\nAgainst the machine (same process, right after each format's rounds; the linears alone: the model's "
-              "modules on random rows, best of 5):\n\n| format | threads | bytes per decode step (MB) | read bandwidth "
-              "GB/s (512 MB sum) | floor ms (bytes / bandwidth) | linears alone ms | decode step ms | floor / step | "
-              "linears alone / step |\n|---|---|---|---|---|---|---|---|---|")
-        for fmt, t, b, bw, lin, step in machine_rows:
-            floor = b / bw / 1e6
-            print(f"| {fmt} | {t} | {b / 1e6:.0f} | {bw:.1f} | {floor:.1f} | {lin:.1f} | {step:.1f} | "
-                  f"{floor / step:.0%} | {lin / step:.0%} |")
+              "modules on random rows, best of 5; the bandwidth: a 512 MB fp32 sum, best of 3). By wall time, then by "
+              "CPU time (per thread; the step: its main thread's), which a loaded machine inflates less:\n\n"
+              "| format | threads | MB read per decode step | read GB/s | floor ms (bytes / bandwidth) | linears alone ms | "
+              "decode step ms | floor / step | linears alone / step |\n|---|---|---|---|---|---|---|---|---|")
+        for fmt, t, b, bw, bw_cpu, lin, lin_cpu, step, step_cpu in machine_rows:
+            f, fc = b / bw / 1e6, b / bw_cpu / 1e6
+            print(f"| {fmt} | {t} | {b / 1e6:.0f} | {bw:.1f} (CPU {bw_cpu:.1f}) | {f:.1f} (CPU {fc:.1f}) | {lin:.1f} "
+                  f"(CPU {lin_cpu:.1f}) | {step:.1f} (CPU {step_cpu:.1f}) | {f / step:.0%} (CPU {fc / step_cpu:.0%}) | "
+                  f"{lin / step:.0%} (CPU {lin_cpu / step_cpu:.0%}) |")
     for fmt, t, ph in phase_rows:
         print(f"\n{fmt}, {t} thread(s), per decode step (wrapped, so a little slower):\n\n"
               "| phase | calls | main-thread CPU ms | process CPU ms (all threads) |\n|---|---|---|---|")
