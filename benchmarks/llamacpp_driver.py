@@ -5,7 +5,7 @@ with `.venv-llamacpp`'s python, sends the workloads once as a JSON line on stdin
 per workload name its token-id prompts and output lengths), then one line `run NAME` per timed run; each
 answers one JSON line on stdout:
 wall seconds, output token ids, and each request's time to its first token and its decode time. Greedy
-(top_k 1), and EOS ignored as the engine's side does (`Llama.generate` yields until the caller stops).
+(top_k 1), every prompt prefilled anew (`Llama.reset` first: no cached prefix), and EOS ignored as the engine's side does (`Llama.generate` yields until the caller stops).
 llama-cpp-python's `Llama` serves one sequence at a time: a batch of requests runs one after the other.
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ def run(llm: Any, prompts: list[list[int]], output_lens: list[int]) -> tuple[lis
     tokens, first, decode = [], [], []
     for prompt, n in zip(prompts, output_lens):
         out: list[int] = []
+        llm.reset()  # no prompt prefix reused from the previous request: every request prefills, as the engine's
         t = time.perf_counter()
         t_first = t
         for tok in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
