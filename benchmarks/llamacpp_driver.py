@@ -26,7 +26,7 @@ def main() -> None:
     run(llm, spec["warm_up_prompts"], [8] * len(spec["warm_up_prompts"]))
     _reply({"ready": True, "start_s": time.perf_counter() - t0, "version": __import__("llama_cpp").__version__})
     for line in sys.stdin:
-        w = spec["workloads"][line.split()[1]]
+        w = spec["workloads"][line.strip().partition(" ")[2]]
         t = time.perf_counter()
         tokens, first, decode = run(llm, w["prompts"], w["output_lens"])
         _reply({"wall_s": time.perf_counter() - t, "token_ids": tokens, "first_token_s": first, "decode_s": decode})

@@ -68,3 +68,38 @@ def test_thread_scaling_prints_a_row_per_thread_count(capsys) -> None:
                                 "3:4", "--dtypes", "float32", "--threads", "1,2", "--rounds", "2"])
     text = capsys.readouterr().out
     assert set(rows) == {("float32", 1), ("float32", 2)} and "| float32 | 1 |" in text and "1.00x |" in text
+
+
+FAKE_LLAMA_CPP = '''
+__version__ = "0.0-test"
+class Llama:
+    def __init__(self, model_path, **kw):
+        self.resets = 0
+    def reset(self):
+        self.resets += 1
+    def generate(self, tokens, **kw):
+        assert kw["top_k"] == 1 and kw["temp"] == 0.0
+        t = tokens[-1]
+        while True:
+            t = (t * 7 + 1) % 50
+            yield t
+'''
+
+
+def test_llamacpp_driver_protocol_with_a_stand_in_llama_cpp(tmp_path) -> None:
+    import os
+
+    from benchmarks.vs_llamacpp import DRIVER
+    from benchmarks.vs_vllm import VllmProcess
+
+    (tmp_path / "llama_cpp.py").write_text(FAKE_LLAMA_CPP)
+    spec = {"gguf": "x.gguf", "threads": 1, "n_ctx": 64, "warm_up_prompts": [[1]],
+            "workloads": {"batch 1": {"prompts": [[3, 4]], "output_lens": [3]},
+                          "batch 2": {"prompts": [[5], [6]], "output_lens": [2, 1]}}}
+    proc = VllmProcess(sys.executable, spec, dict(os.environ, PYTHONPATH=str(tmp_path)), driver=DRIVER)
+    try:
+        one = proc.run_reply("run batch 1")
+        assert one["token_ids"] == [[29, 4, 29]] and len(one["decode_s"]) == 1 and one["wall_s"] > 0
+        assert proc.run_reply("run batch 2")["token_ids"] == [[36, 3], [43]]
+    finally:
+        proc.close()
