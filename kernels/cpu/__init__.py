@@ -1,5 +1,6 @@
 """C kernels for CPU tensors: paged decode attention read in place, the KV cache write, and the
-model's fused elementwise ops (RMSNorm, SiLU-and-mul, RoPE in place; vLLM's names).
+model's fused elementwise ops (RMSNorm, SiLU-and-mul, RoPE in place; vLLM's names), and
+`DecodeAttentionBlock`: a decode-only step's RoPE, cache write and decode attention in one call per layer.
 
 The attention ops keep `kernels.reference`'s contracts (and are tested against it). They cover
 fp32 and bf16 caches (bf16: widened to fp32 as read, fp32 softmax and accumulation, the output
