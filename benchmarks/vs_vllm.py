@@ -279,9 +279,10 @@ def report(sides: list[Side], w: Workload) -> dict[str, Any]:
                   f"{', '.join(f'{x:.1f}' for x in s.others)} |")
     vllm, engine = sides[0], sides[1]
     exact = sum(x == y for x, y in zip(engine.outputs, vllm.outputs))
+    print()
     for s in sides[1:]:
         if s.name.startswith("engine"):
-            print(f"\n{s.name} / {vllm.name}: {med[s.name] / med[vllm.name]:.2f}x (medians)")
+            print(f"{s.name} / {vllm.name}: {med[s.name] / med[vllm.name]:.2f}x (medians)")
     print(f"greedy tokens, {engine.name} vs {vllm.name}: {exact}/{len(w.prompts)} requests identical, "
           f"{token_agreement(engine.outputs, vllm.outputs):.1%} of tokens agree up to each first difference")
     results: dict[str, Any] = {"tok_s": med, "vllm_identical_requests": exact}
