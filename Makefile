@@ -103,19 +103,20 @@ $(VLLM_STAMP):
 
 # make bench's workload, fp32 then bf16 (one dtype at a time), vLLM with and without its documented preloads
 # (Debian's tcmalloc, the intel-openmp wheel's libiomp5.so in its venv); quiet and loaded rounds reported apart.
-# ~8 min on a quiet 2-core machine (vLLM's first start compiles: add ~3 min).
+# ~8 min on a quiet 2-core machine with vLLM's compile cache warm (its first start compiles ~2.5 min a process: a
+# first run may stop at the 12-minute limit after printing the fp32 table).
 bench-vllm: venv $(VLLM_STAMP)
-	OMP_WAIT_POLICY=PASSIVE timeout 1500 $(PY) -m benchmarks.vs_vllm --vllm-python $(VLLM_VENV)/bin/python --model small-llama \
+	OMP_WAIT_POLICY=PASSIVE timeout 720 $(PY) -m benchmarks.vs_vllm --vllm-python $(VLLM_VENV)/bin/python --model small-llama \
 		--num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0 --rounds 3 --dtypes float32,bfloat16 \
 		--vllm-preloads both $(BENCH_ARGS)
 
 # The real model side by side: vLLM bf16 (preloaded) vs the engine at fp32, bf16 and gguf (Q4_1 as int4), one
-# request (40-token prompt, 128 tokens) and 32 at once. ~6 min quiet.
+# request (40-token prompt, 128 tokens) and 32 at once. ~7 min quiet, 12 at most.
 bench-vllm-real: venv $(VLLM_STAMP)
-	OMP_WAIT_POLICY=PASSIVE timeout 700 $(PY) -m benchmarks.vs_vllm --vllm-python $(VLLM_VENV)/bin/python \
+	OMP_WAIT_POLICY=PASSIVE timeout 300 $(PY) -m benchmarks.vs_vllm --vllm-python $(VLLM_VENV)/bin/python \
 		--model smollm2-135m-instruct --num-requests 1 --input-len 40 --output-len 128 --rounds 3 --dtypes bfloat16 \
 		--vllm-preloads on --engine-formats fp32,bf16,gguf $(BENCH_ARGS)
-	OMP_WAIT_POLICY=PASSIVE timeout 700 $(PY) -m benchmarks.vs_vllm --vllm-python $(VLLM_VENV)/bin/python \
+	OMP_WAIT_POLICY=PASSIVE timeout 420 $(PY) -m benchmarks.vs_vllm --vllm-python $(VLLM_VENV)/bin/python \
 		--model smollm2-135m-instruct --num-requests 32 --input-len 40 --output-len 128 --rounds 3 --dtypes bfloat16 \
 		--vllm-preloads on --engine-formats fp32,bf16,gguf $(BENCH_ARGS)
 
