@@ -19,7 +19,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-serve-vllm bench-kernels bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm bench-act-order quant-step gpu-check labs grade clean
+.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-serve-vllm bench-vllm-real bench-steps bench-threads bench-llamacpp bench-kernels bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm bench-act-order quant-step gpu-check labs grade clean
 
 venv: $(STAMP)
 
@@ -104,9 +104,52 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -c "import vllm"
 	touch $(VLLM_STAMP)
 
+# make bench's workload, fp32 then bf16 (one dtype at a time), vLLM with and without its documented preloads
+# (Debian's tcmalloc, the intel-openmp wheel's libiomp5.so in its venv); quiet and loaded rounds reported apart.
+# ~8 min on a quiet 2-core machine with vLLM's compile cache warm (its first start compiles ~2.5 min a process: a
+# first run may stop at the 12-minute limit after printing the fp32 table).
 bench-vllm: venv $(VLLM_STAMP)
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.vs_vllm --vllm-python $(VLLM_VENV)/bin/python --model small-llama \
-		--num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0 --rounds 3 $(BENCH_ARGS)
+	OMP_WAIT_POLICY=PASSIVE timeout 720 $(PY) -m benchmarks.vs_vllm --vllm-python $(VLLM_VENV)/bin/python --model small-llama \
+		--num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0 --rounds 3 --dtypes float32,bfloat16 \
+		--vllm-preloads both $(BENCH_ARGS)
+
+# The real model side by side: vLLM bf16 (preloaded) vs the engine at fp32, bf16 and gguf (Q4_1 as int4), one
+# request (40-token prompt, 128 tokens) and 32 at once. ~7 min quiet, 12 at most.
+bench-vllm-real: venv $(VLLM_STAMP)
+	OMP_WAIT_POLICY=PASSIVE timeout 300 $(PY) -m benchmarks.vs_vllm --vllm-python $(VLLM_VENV)/bin/python \
+		--model smollm2-135m-instruct --num-requests 1 --input-len 40 --output-len 128 --rounds 3 --dtypes bfloat16 \
+		--vllm-preloads on --engine-formats fp32,bf16,gguf $(BENCH_ARGS)
+	OMP_WAIT_POLICY=PASSIVE timeout 420 $(PY) -m benchmarks.vs_vllm --vllm-python $(VLLM_VENV)/bin/python \
+		--model smollm2-135m-instruct --num-requests 32 --input-len 40 --output-len 128 --rounds 3 --dtypes bfloat16 \
+		--vllm-preloads on --engine-formats fp32,bf16,gguf $(BENCH_ARGS)
+
+# Batch-1 decode steps on the real model: the fused attention block vs the three separate kernel calls, alternating
+# in one process, at fp32, bf16 and gguf, 1 and 2 threads, then where a step's time goes per phase. ~6 min quiet.
+bench-steps: venv
+	OMP_WAIT_POLICY=PASSIVE timeout 720 $(PY) -m benchmarks.step_overhead --formats fp32,bf16,gguf --threads 1,2 \
+		--rounds 4 --output-len 64 --phases --machine $(BENCH_ARGS)
+
+# make bench's workload at 1 and 2 threads, alternating in one process, fp32 and bf16: tok/s, CPU / wall. ~5 min quiet.
+bench-threads: venv
+	OMP_WAIT_POLICY=PASSIVE timeout 720 $(PY) -m benchmarks.thread_scaling --model small-llama --num-requests 64 \
+		--input-len 16:512 --output-len 16:256 --seed 0 --dtypes float32,bfloat16 --threads 1,2 --rounds 3 $(BENCH_ARGS)
+
+# llama.cpp on the real model's own Q4_1 GGUF vs the engine's gguf path: batch-1 decode and 32 requests. The first
+# run builds llama-cpp-python from source into .venv-llamacpp (never .venv; ~8 min with the system compiler).
+LLAMACPP_VENV := .venv-llamacpp
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed-llama-cpp-python-$(LLAMACPP_VERSION)
+
+$(LLAMACPP_STAMP):
+	@test -x $(LLAMACPP_VENV)/bin/python || $(PYTHON) -m venv $(LLAMACPP_VENV)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMACPP_VENV)/bin/python -m pip install --quiet --no-binary llama-cpp-python \
+		"llama-cpp-python==$(LLAMACPP_VERSION)"
+	$(LLAMACPP_VENV)/bin/python -c "import llama_cpp"
+	touch $(LLAMACPP_STAMP)
+
+bench-llamacpp: venv $(LLAMACPP_STAMP)
+	OMP_WAIT_POLICY=PASSIVE timeout 720 $(PY) -m benchmarks.vs_llamacpp --llamacpp-python $(LLAMACPP_VENV)/bin/python \
+		--engine-formats gguf,bf16 --input-len 40 --output-len 128 --batch 32 --rounds 3 $(BENCH_ARGS)
 
 # This engine's OpenAI server and `vllm serve` (the CPU build) under the same load generator, side by side
 # (docs/benchmarks.md): small-llama, fp32, a request-rate sweep with the two servers alternating per point,

@@ -78,6 +78,7 @@ class AttentionPlan:
         self.prefill = (meta.block_tables[nd:], meta.seq_lens[nd:], meta.query_start_loc[nd:] - nd) if nd else (
             meta.block_tables, meta.seq_lens, meta.query_start_loc)
         self.output_rows = meta.output_rows
+        self._block: tuple[tuple[int, int, int], object] | None = None  # decode_block's, once per step
         if meta.output_rows is not None:  # each emitting row is its sequence's last: one decode-op call covers them
             self.output = (meta.block_tables[meta.output_seqs], meta.seq_lens[meta.output_seqs])
 
@@ -105,9 +106,38 @@ class AttentionPlan:
         out[nd:] = ops.paged_attention(query[nd:], *cache, *self.prefill, scale, kv.k_scale, kv.v_scale)
         return out
 
+    def decode_block(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                     num_kv_heads: int, head_dim: int) -> Callable[..., torch.Tensor] | None:
+        """The step's fused attention block (`kernels.cpu.DecodeAttentionBlock`: RoPE, `write_kv` and `attend`
+        in one C call per layer, built once per step), or None where the three separate ops must run: not a
+        decode-only step of the cpu backend's own kernels in fp32/bf16, or `write_kv` / `attend` replaced on
+        the class (lab 14's seams: a learner's function is then what runs)."""
+        key = (num_heads, num_kv_heads, head_dim)
+        if self._block is None or self._block[0] != key:
+            self._block = (key, self._new_decode_block(positions, cos, sin, *key))
+        return self._block[1]
+
+    def _new_decode_block(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+                          num_kv_heads: int, head_dim: int) -> Callable[..., torch.Tensor] | None:
+        meta, ops = self.meta, self.ops
+        if (ops.backend != "cpu" or ops.rotary_embedding is None or not meta.decode_only
+                or meta.output_rows is not None or meta.kv_cache_dtype != "auto"
+                or type(self).write_kv is not _WRITE_KV or type(self).attend is not _ATTEND):
+            return None
+        from kernels import cpu
+        if (ops.rotary_embedding is not cpu.rotary_embedding or ops.reshape_and_cache is not cpu.reshape_and_cache
+                or ops.paged_attention_decode is not cpu.paged_attention_decode):
+            return None
+        block = cpu.DecodeAttentionBlock(positions, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                         num_heads, num_kv_heads, head_dim)
+        return block if block.applies else None
+
     def attend_output_rows(self, query: torch.Tensor, kv: LayerKV, scale: float) -> torch.Tensor:
         """Only the emitting rows (`meta.output_rows`), in their order."""
         if self.output_rows.numel() == 0:  # a step of mid-prompt chunks only: nothing to compute
             return query[:0]
         return self.ops.paged_attention_decode(query[self.output_rows], kv.key_cache, kv.value_cache, *self.output,
                                                scale, kv.k_scale, kv.v_scale, num_splits=self.meta.output_num_splits)
+
+
+_WRITE_KV, _ATTEND = AttentionPlan.write_kv, AttentionPlan.attend  # the engine's own (decode_block's check)

@@ -152,7 +152,14 @@ class Attention(nn.Module):
         rest for plan.output_rows only (`residual` is then those rows')."""
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         lora = plan.meta.lora
-        qkv = self.qkv_proj(x, lora=lora and lora.all_rows).view(-1, h + 2 * kvh, d)
+        qkv = self.qkv_proj(x, lora=lora and lora.all_rows)
+        if self.q_norm is None and kv_cache.observer is None and rope.op is not None and not only_output_rows:
+            block = plan.decode_block(rope.positions, rope.cos, rope.sin, h, kvh, d)
+            if block is not None:  # a decode-only CPU step: RoPE, K/V write and attention in one C call
+                kv = kv_cache.layer(self.layer_idx)
+                return self.o_proj(block(qkv, kv.key_cache, kv.value_cache, self.scale), residual,
+                                   lora and lora.rows(False))
+        qkv = qkv.view(-1, h + 2 * kvh, d)
         if self.q_norm is None:  # q and k rotate in one pass: [tokens, h + kvh, d]
             qk = rope(qkv[:, :h + kvh])
             q, k = qk[:, :h], qk[:, h:]

@@ -1,5 +1,6 @@
 """C kernels for CPU tensors: paged decode attention read in place, the KV cache write, and the
-model's fused elementwise ops (RMSNorm, SiLU-and-mul, RoPE in place; vLLM's names).
+model's fused elementwise ops (RMSNorm, SiLU-and-mul, RoPE in place; vLLM's names), and
+`DecodeAttentionBlock`: a decode-only step's RoPE, cache write and decode attention in one call per layer.
 
 The attention ops keep `kernels.reference`'s contracts (and are tested against it). They cover
 fp32 and bf16 caches (bf16: widened to fp32 as read, fp32 softmax and accumulation, the output
@@ -25,8 +26,8 @@ from torch.profiler import record_function
 from kernels import reference
 from kernels.cpu.build import BuildError, build
 
-__all__ = ["load", "load_error", "paged_attention", "paged_attention_decode", "reshape_and_cache", "rms_norm",
-           "rotary_embedding", "silu_and_mul"]
+__all__ = ["DecodeAttentionBlock", "load", "load_error", "paged_attention", "paged_attention_decode",
+           "reshape_and_cache", "rms_norm", "rotary_embedding", "silu_and_mul"]
 
 _ERRORS = {1: "a block table entry that a sequence uses is outside the cache", 2: "a slot is past the cache's end",
            3: "a sequence needs more blocks than its block table row has", 4: "a position is outside the RoPE tables"}
@@ -69,6 +70,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, f"rotary_embedding_{t}").argtypes = [ptr] * 4 + [i64] * 5
         getattr(lib, f"rms_norm_{t}").restype = getattr(lib, f"silu_and_mul_{t}").restype = None
         getattr(lib, f"rotary_embedding_{t}").restype = ctypes.c_int
+        getattr(lib, f"decode_attention_block_{t}").argtypes = [ptr] * 10 + [i64] * 11 + [ctypes.c_float]
+        getattr(lib, f"decode_attention_block_{t}").restype = ctypes.c_int
     lib.reshape_and_cache.restype = ctypes.c_int
 
 
@@ -221,3 +224,60 @@ def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
             x.data_ptr(), pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, x.stride(0),
             cos.shape[0])
     _check(status)
+
+
+class DecodeAttentionBlock:
+    """A decode-only step's attention block after the QKV GEMM, one C call per layer: `rotary_embedding` on
+    the q and k heads, `reshape_and_cache` of k and v, `paged_attention_decode` of the rotated queries
+    (csrc/decode_attention_block.c runs those three kernels, so the result is theirs bit for bit). The step's
+    positions, slots, tables and lengths are checked and converted here once; each layer passes only its
+    qkv rows and caches. `applies` says whether this step's tensors are the kind it takes."""
+
+    def __init__(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> None:
+        lib = load()
+        tokens = positions.shape[0]
+        self.applies = (lib is not None and _fast_cpu(cos, sin) and cos.is_contiguous() and sin.is_contiguous()
+                        and head_dim % 8 == 0 and cos.shape[1] * 2 == head_dim and num_heads % num_kv_heads == 0
+                        and block_tables.dim() == 2 and block_tables.shape[0] == tokens
+                        and seq_lens.shape == (tokens,) and slot_mapping.shape == (tokens,) and tokens > 0)
+        if not self.applies:
+            return
+        self.fn = _typed(lib.decode_attention_block_f32, lib.decode_attention_block_bf16, cos)
+        self.dtype, self.cos, self.sin = cos.dtype, cos, sin
+        self.positions = positions.to(torch.int64).contiguous()
+        self.slots = slot_mapping.to(torch.int64).contiguous()
+        self.tables = block_tables.to(torch.int32)
+        if self.tables.stride(-1) != 1:
+            self.tables = self.tables.contiguous()
+        self.lens = seq_lens.to(torch.int32).contiguous()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.tokens = num_heads, num_kv_heads, head_dim, tokens
+        self.width = (num_heads + 2 * num_kv_heads) * head_dim
+        head_splits = min(num_kv_heads, -(-_ITEMS_PER_THREAD * torch.get_num_threads() // tokens))
+        # every argument but the output, qkv and the caches, in the C function's order
+        self.step_args = (self.positions.data_ptr(), cos.data_ptr(), sin.data_ptr())
+        self.table_args = (self.slots.data_ptr(), self.tables.data_ptr(), self.lens.data_ptr(), tokens, num_heads,
+                           num_kv_heads, head_dim)
+        self.tail_args = (self.tables.stride(0), self.tables.shape[1], head_splits, cos.shape[0])
+
+    def __call__(self, qkv: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        """qkv `[tokens, (num_heads + 2 num_kv_heads) * head_dim]` (rotated in place) -> attention output
+        `[tokens, num_heads * head_dim]`; K and V written into the caches `[num_blocks, block_size, kv_heads,
+        head_dim]` (contiguous, this step's dtype)."""
+        if (qkv.shape != (self.tokens, self.width) or qkv.stride(-1) != 1 or qkv.dtype != self.dtype
+                or not qkv.is_cpu or not _fast_cpu(key_cache, value_cache) or key_cache.dtype != self.dtype
+                or not key_cache.is_contiguous() or not value_cache.is_contiguous()
+                or value_cache.shape != key_cache.shape or key_cache.shape[2:] != (self.num_kv_heads, self.head_dim)):
+            raise ValueError(f"DecodeAttentionBlock: qkv {tuple(qkv.shape)} {qkv.dtype} strides {qkv.stride()} and "
+                             f"caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)} {key_cache.dtype} do not "
+                             f"fit a step of {self.tokens} tokens, {self.num_heads} heads on {self.num_kv_heads} KV "
+                             f"heads of {self.head_dim} in {self.dtype}")
+        out = torch.empty(self.tokens, self.num_heads * self.head_dim, dtype=self.dtype)
+        with _profiled("kernels.cpu.decode_attention_block"):
+            status = self.fn(out.data_ptr(), qkv.data_ptr(), *self.step_args, key_cache.data_ptr(),
+                             value_cache.data_ptr(), *self.table_args, key_cache.shape[1], key_cache.shape[0],
+                             qkv.stride(0), *self.tail_args, scale)
+        _check(status)
+        return out
