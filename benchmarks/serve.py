@@ -15,9 +15,20 @@ throughput, and goodput: requests per second that met every SLO given to `--good
 `--prefix-groups G --prefix-len L`: every prompt starts with one of G shared L-token prefixes (the
 multi-tenant workload a prefix-aware router is for); the suffix takes `--input-len`.
 
+`--workload chat`: streamed /v1/chat/completions instead, each a system prompt drawn from
+`--system-prompts N` shared ones (so requests share a prefix, as an application's do) and a varied
+user question (benchmarks/serve_chat.py), with `--output-len` tokens each; the prompt length is the
+server's `usage.prompt_tokens` (its chat template's rendering). TTFT, TPOT and ITL as above.
+
+    python -m benchmarks.serve --model smollm2-135m-instruct --workload chat --num-prompts 16 \
+        --output-len 16:32 --request-rate 2
+
 `--sweep 1,2,4,8` runs the same workload at each offered rate in turn (instead of
-`--request-rate`) and prints one row per rate; `--plot FILE.png` draws achieved throughput against
-P50/P99 TTFT and TPOT with the SLO lines (benchmarks/serve_plot.py).
+`--request-rate`) and prints one row per rate, with the server's queue depth: its
+`vllm:num_requests_waiting` from `/metrics`, sampled every 0.25 s while the point runs (mean and
+max; n/a for a server without the gauge, benchmarks/serve_queue.py). `--plot FILE.png` draws
+achieved throughput against P50/P99 TTFT and TPOT with the SLO lines, and the queue depth
+(benchmarks/serve_plot.py).
 """
 from __future__ import annotations
 
@@ -32,9 +43,12 @@ from typing import Any
 import numpy as np
 
 from engine_core.entrypoints import request_metrics as metrics  # module attributes: lab 12 plugs them
+from benchmarks.serve_chat import chat_workload
+from benchmarks.serve_queue import queue_summary, sample_waiting
 from engine_core.entrypoints.request_metrics import SLO_METRICS, LatencyMetrics
 
 PERCENTILES = (50, 90, 99)
+Prompt = list[int] | list[dict[str, str]]  # token ids (/v1/completions) or a conversation (/v1/chat/completions)
 
 
 @dataclass
@@ -134,15 +148,35 @@ def summarize(results: list[RequestResult], duration_s: float, slos: dict[str, f
     return summary
 
 
-async def send(client: Any, base_url: str, model: str, prompt: list[int], output_len: int) -> RequestResult:
-    """One streamed completion, timed on this side of the socket."""
-    result = RequestResult(prompt_len=len(prompt))
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+def is_chat(prompt: Prompt) -> bool:
+    return bool(prompt) and isinstance(prompt[0], dict)
+
+
+def request_body(model: str, prompt: Prompt, output_len: int) -> tuple[str, dict[str, Any]]:
+    """(path, JSON body) of one streamed, greedy request of exactly `output_len` tokens (`ignore_eos`):
+    /v1/chat/completions for a conversation, /v1/completions for token ids."""
+    common = {"model": model, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True, "stream": True,
+              "stream_options": {"include_usage": True}}
+    if is_chat(prompt):
+        return "/v1/chat/completions", {**common, "messages": prompt}
+    return "/v1/completions", {**common, "prompt": prompt}
+
+
+def chunk_text(chunk: dict[str, Any]) -> str:
+    """The text a streamed chunk carries: a completion's `text` or a chat delta's `content`."""
+    choice = chunk["choices"][0] if chunk.get("choices") else {}
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+
+
+async def send(client: Any, base_url: str, model: str, prompt: Prompt, output_len: int) -> RequestResult:
+    """One streamed completion or chat completion, timed on this side of the socket."""
+    chat = is_chat(prompt)
+    result = RequestResult(prompt_len=0 if chat else len(prompt))  # a chat's: the server's usage.prompt_tokens
+    path, body = request_body(model, prompt, output_len)
     start = time.perf_counter()
     chunk_times: list[float] = []
     try:
-        async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+        async with client.stream("POST", f"{base_url}{path}", json=body) as response:
             if response.status_code != 200:
                 result.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
                 return result
@@ -154,10 +188,12 @@ async def send(client: Any, base_url: str, model: str, prompt: list[int], output
                     result.error = chunk["error"].get("message", "error")
                     return result
                 now = time.perf_counter()
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                if chunk_text(chunk):
                     chunk_times.append(now)
                 if chunk.get("usage"):
                     result.output_len = chunk["usage"]["completion_tokens"]
+                    if chat:
+                        result.prompt_len = chunk["usage"].get("prompt_tokens", 0)
         end = time.perf_counter()
         result.e2e = end - start
         result.success = result.output_len > 0 and bool(chunk_times)
@@ -171,7 +207,7 @@ async def send(client: Any, base_url: str, model: str, prompt: list[int], output
     return result
 
 
-async def run(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int], request_rate: float,
+async def run(base_url: str, model: str, prompts: list[Prompt], output_lens: list[int], request_rate: float,
               max_concurrency: int | None = None, burstiness: float = 1.0, seed: int = 0,
               timeout_s: float = 600.0) -> tuple[list[RequestResult], float]:
     """Send every prompt at its arrival time; (results in prompt order, wall seconds)."""
@@ -212,25 +248,43 @@ def prefix_workload(n: int, num_groups: int, prefix_len: int, input_len: tuple[i
     return [prefixes[rng.randrange(num_groups)] + suffix for suffix in suffixes], output_lens
 
 
-async def sweep(base_url: str, model: str, prompts: list[list[int]], output_lens: list[int], rates: list[float],
+async def sweep(base_url: str, model: str, prompts: list[Prompt], output_lens: list[int], rates: list[float],
                 slos: dict[str, float], max_concurrency: int | None = None, burstiness: float = 1.0,
                 seed: int = 0) -> list[dict[str, Any]]:
-    """The workload at each offered rate, one after another: a summary per rate (`request_rate` added)."""
+    """The workload at each offered rate, one after another: a summary per rate (`request_rate` added,
+    and `queue_waiting`: the server's waiting count sampled while the point ran, None without the gauge)."""
+    import httpx2
+
     summaries = []
     for rate in rates:
-        results, duration = await run(base_url, model, prompts, output_lens, rate, max_concurrency, burstiness, seed)
-        summaries.append({"request_rate": rate, **summarize(results, duration, slos)})
+        stop = asyncio.Event()
+        async with httpx2.AsyncClient() as poller:
+            sampler = asyncio.create_task(sample_waiting(poller, base_url, stop))
+            try:
+                results, duration = await run(base_url, model, prompts, output_lens, rate, max_concurrency,
+                                              burstiness, seed)
+            finally:
+                stop.set()
+                samples = await sampler
+        summaries.append({"request_rate": rate, **summarize(results, duration, slos),
+                          "queue_waiting": queue_summary(samples)})
     return summaries
+
+
+def format_queue(summary: dict[str, Any]) -> str:
+    """'mean max' waiting requests of a sweep point, or n/a where the server exposed no gauge."""
+    queue = summary.get("queue_waiting")
+    return f"{queue['mean']:9.1f} {queue['max']:8g}" if queue else f"{'n/a':>9} {'n/a':>8}"
 
 
 def format_sweep(summaries: list[dict[str, Any]]) -> str:
     lines = [f"{'rate/s':>7} {'req/s':>7} {'tok/s':>8} {'TTFT P50':>9} {'TTFT P99':>9} {'TPOT P50':>9} "
-             f"{'TPOT P99':>9} {'goodput':>8} {'failed':>6}"]
+             f"{'TPOT P99':>9} {'goodput':>8} {'failed':>6} {'wait mean':>9} {'wait max':>8}"]
     for s in summaries:
         goodput = f"{s['goodput']:8.2f}" if "goodput" in s else f"{'-':>8}"
         lines.append(f"{s['request_rate']:7g} {s['request_throughput']:7.2f} {s['output_throughput']:8.1f} "
                      f"{s['ttft']['p50_ms']:9.1f} {s['ttft']['p99_ms']:9.1f} {s['tpot']['p50_ms']:9.1f} "
-                     f"{s['tpot']['p99_ms']:9.1f} {goodput} {s['failed']:6d}")
+                     f"{s['tpot']['p99_ms']:9.1f} {goodput} {s['failed']:6d} {format_queue(s)}")
     return "\n".join(lines)
 
 
@@ -260,6 +314,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="SLOs: ttft, tpot, e2el in ms")
+    parser.add_argument("--workload", choices=("random", "chat"), default="random",
+                        help="random: token-id prompts to /v1/completions; chat: /v1/chat/completions with "
+                             "shared system prompts (benchmarks/serve_chat.py)")
+    parser.add_argument("--system-prompts", type=int, default=4,
+                        help="with --workload chat: how many shared system prompts the requests draw from")
     parser.add_argument("--prefix-groups", type=int, default=0,
                         help="G > 0: every prompt starts with one of G shared prefixes (a multi-tenant workload)")
     parser.add_argument("--prefix-len", type=int, default=64, help="tokens of each shared prefix")
@@ -277,7 +336,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--request-rate and --burstiness must be > 0")
     if args.plot and rates is None:
         parser.error("--plot needs --sweep")
-    if args.prefix_groups:
+    if args.workload == "chat":
+        try:
+            prompts, output_lens = chat_workload(args.num_prompts, args.system_prompts, parse_range(args.output_len),
+                                                 args.seed)
+        except ValueError as e:
+            parser.error(str(e))
+    elif args.prefix_groups:
         try:
             prompts, output_lens = prefix_workload(args.num_prompts, args.prefix_groups, args.prefix_len,
                                                    parse_range(args.input_len), parse_range(args.output_len),

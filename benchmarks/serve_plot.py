@@ -1,9 +1,11 @@
 """The capacity picture of a `benchmarks.serve --sweep`: achieved throughput against P50/P99 TTFT
-and TPOT, one point per offered request rate, with the SLO lines of `--goodput`.
+and TPOT, one point per offered request rate, with the SLO lines of `--goodput`, and the server's
+queue depth (mean and max waiting requests) in a third panel.
 
 Read it left to right: latency stays flat while the server keeps up; past the knee the achieved
-throughput stops growing with the offered rate and TTFT climbs (requests queue), while TPOT grows
-with the batch. The SLO lines show the highest throughput that still meets them.
+throughput stops growing with the offered rate and TTFT climbs (requests queue: the third panel
+shows the queue), while TPOT grows with the batch. The SLO lines show the highest throughput that
+still meets them. Points without a queue sample (a server without the gauge) are left out of it.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ def plot_sweep(summaries: list[dict[str, Any]], slos: dict[str, float], path: st
     import matplotlib.pyplot as plt
 
     x = [s["request_throughput"] for s in summaries]
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(10, 4), constrained_layout=True)
+    fig, axes = plt.subplots(1, len(PANELS) + 1, figsize=(14, 4), constrained_layout=True)
     for ax, (key, title) in zip(axes, PANELS):
         for q, style in (("p50", "o-"), ("p99", "s--")):
             ax.plot(x, [s[key][f"{q}_ms"] for s in summaries], style, label=f"{title} {q.upper()}")
@@ -34,9 +36,24 @@ def plot_sweep(summaries: list[dict[str, Any]], slos: dict[str, float], path: st
         ax.set_ylabel(f"{title} (ms)")
         ax.set_title(f"{title} vs throughput (labels: offered rate)")
         ax.legend(fontsize=8)
-    fig.savefig(path, dpi=110)
+    plot_queue(axes[-1], summaries)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return fig
+
+
+def plot_queue(ax: Any, summaries: list[dict[str, Any]]) -> None:
+    """Mean and max waiting requests against achieved throughput (the points that have samples)."""
+    sampled = [s for s in summaries if s.get("queue_waiting")]
+    x = [s["request_throughput"] for s in sampled]
+    for key, style in (("mean", "o-"), ("max", "s--")):
+        ax.plot(x, [s["queue_waiting"][key] for s in sampled], style, label=f"waiting {key}")
+    if not sampled:
+        ax.text(0.5, 0.5, "n/a: no vllm:num_requests_waiting", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("achieved throughput (requests/s)")
+    ax.set_ylabel("requests waiting")
+    ax.set_title("queue depth (sampled every 0.25 s)")
+    ax.legend(fontsize=8)
 
 
 SIDE_COLORS = ("tab:blue", "tab:orange", "tab:green")

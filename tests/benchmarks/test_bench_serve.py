@@ -85,7 +85,7 @@ def test_the_sweep_plot_draws_p50_and_p99_against_achieved_throughput_with_the_s
     slos = parse_goodput(["ttft:250"])
     fig = plot_sweep(summaries, slos, str(tmp_path / "sweep.png"))
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    ttft, tpot = fig.axes
+    ttft, tpot, _queue = fig.axes  # the queue panel: tests/benchmarks/test_bench_serve_queue.py
     lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ttft.lines}
     # 3 completed requests in 4 s and in 2 s; ttft P50 200 ms and P99 298 ms in both runs (by hand above)
     assert lines["TTFT P50"] == ([0.75, 1.5], pytest.approx([200, 200]))
