@@ -110,8 +110,9 @@ class AttentionPlan:
                      num_kv_heads: int, head_dim: int) -> Callable[..., torch.Tensor] | None:
         """The step's fused attention block (`kernels.cpu.DecodeAttentionBlock`: RoPE, `write_kv` and `attend`
         in one C call per layer, built once per step), or None where the three separate ops must run: not a
-        decode-only step of the cpu backend's own kernels in fp32/bf16, or `write_kv` / `attend` replaced on
-        the class (lab 14's seams: a learner's function is then what runs)."""
+        decode-only step of the cpu backend's own kernels in fp32/bf16 with one split (the block's attention is
+        the decode op's `num_splits=1` call), or `write_kv` / `attend` replaced on the class (lab 14's seams: a
+        learner's function is then what runs)."""
         key = (num_heads, num_kv_heads, head_dim)
         if self._block is None or self._block[0] != key:
             self._block = (key, self._new_decode_block(positions, cos, sin, *key))
@@ -121,7 +122,7 @@ class AttentionPlan:
                           num_kv_heads: int, head_dim: int) -> Callable[..., torch.Tensor] | None:
         meta, ops = self.meta, self.ops
         if (ops.backend != "cpu" or ops.rotary_embedding is None or not meta.decode_only
-                or meta.output_rows is not None or meta.kv_cache_dtype != "auto"
+                or meta.output_rows is not None or meta.kv_cache_dtype != "auto" or meta.decode_num_splits != 1
                 or type(self).write_kv is not _WRITE_KV or type(self).attend is not _ATTEND):
             return None
         from kernels import cpu

@@ -36,7 +36,9 @@ RNG = random.Random(25)
 PROMPTS = [list(range(10, 20)) * 3, [5, 6, 7, 8] * 5, [RNG.randrange(3, 512) for _ in range(20)],
            list(range(10, 20)) * 2 + [77, 78]]  # shares a prefix with the first: prefix-cache hits
 PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (24, 18, 14, 20)]
-BASE = dict(block_size=4, max_model_len=128, max_num_batched_tokens=32)
+# A KV cache sized for the workload (4 requests of up to 128 tokens: 128 blocks of 4): the CPU default (1 GiB,
+# and 4 GiB of swap) is a million tiny-llama blocks, whose Python objects took ~1 s per engine, 50 s in this file
+BASE = dict(block_size=4, max_model_len=128, max_num_batched_tokens=32, num_gpu_blocks=256, swap_space=0.01)
 
 
 def generate(spec: dict | None, model: str = "tiny-llama", lora=None, params=PARAMS, **kw
@@ -126,7 +128,7 @@ def test_invariants_budget_and_prefix_cache_every_step(spec):
     """After every step: the scheduler's invariants (block ref counts, queues), the step's rows (drafts
     included) within the budget, and every block the prefix cache publishes holds verified tokens only."""
     engine = LLMEngine(EngineConfig(model="tiny-llama", speculative_config=spec, enable_prefix_caching=True,
-                                    num_gpu_blocks=24, **BASE))
+                                    **{**BASE, "num_gpu_blocks": 24}))
     sched = engine.scheduler
     schedule = sched.schedule
     steps = []
