@@ -553,11 +553,15 @@ PAIRS = 5  # a median of 5 pairs: one pair that straddles a burst of other work 
 # 3.4x, block_tables 0.9x to 1.1x: this workload's tables are small); a function left slow: 0.9x to 1.0x. The
 # ratio of all five summed, the first design, fell from 6.3x-9.2x to 4.3x for the solution under make test and a
 # hog, and rose to 3.6x for a partial fix: one threshold could not separate them. Per function the gap is 10x. So:
-# whole runs >= 1.5x (faster overall, nothing finer), write_kv and attend each >= 4x (the two this workload
+# whole runs >= 1.5x (faster overall, nothing finer), write_kv >= 4x and attend >= 2.5x (the two this workload
 # times well); the sampler, the block tables and the queue are caught by their own checks above (one host sync,
-# 256-row tables >= 8x, 1,000-request removal >= 20x) and by the decode-step count.
+# 1,024-row tables >= 8x, 1,000-request removal >= 20x) and by the decode-step count. attend's target was 4x
+# until two make test runs on 2026-12-02 measured the solution's attend at 3.8x under the suite and a CPU hog
+# (15x quiet the same day; write_kv 14x and 24x there): cache contention slows the fixed kernel's scattered reads
+# more than the slow version's streaming copies. 2.5x stays far above a slow attend left in place (0.9x-1.0x).
 TIMED_HERE = ("write_kv", "attend")
-MIN_SPEEDUP, MIN_FUNCTION_SPEEDUP = 1.5, 4.0
+MIN_SPEEDUP = 1.5
+MIN_FUNCTION_SPEEDUP = {"write_kv": 4.0, "attend": 2.5}
 
 
 def _timed(spent: dict[str, float]):
@@ -581,7 +585,7 @@ def test_engine_speedup_over_the_slow_engine(student):
     """48 requests (64-68 prompt tokens, 8 output tokens, a quarter seeded top-k/top-p sampling) through tiny-llama,
     with your functions and with the slow engine, in turn (PAIRS alternating pairs after one warm-up each): the same
     tokens; the median of slow time / your time over whole runs at least MIN_SPEEDUP, and over the time spent
-    inside write_kv and inside attend, each against its slow version, at least MIN_FUNCTION_SPEEDUP (the engine's
+    inside write_kv and inside attend, each against its slow version, at least MIN_FUNCTION_SPEEDUP's (the engine's
     own per-step cost, the same in both, left out: a bottleneck left in place shows there)."""
     workload = _workload(**SPEED_WORKLOAD)
     names = ("write_kv", "attend", "sample", "block_tables", "remove_finished")
@@ -619,11 +623,11 @@ def test_engine_speedup_over_the_slow_engine(student):
     setup = f"48 requests through tiny-llama, median of {PAIRS} alternating pairs"
     expect_equal(ratio >= MIN_SPEEDUP, True, f"{setup}: your engine is {ratio:.2f}x faster than the slow one; the "
                                              f"target is {MIN_SPEEDUP}x")
-    expect_equal({name: per_function[name] >= MIN_FUNCTION_SPEEDUP for name in TIMED_HERE},
+    expect_equal({name: per_function[name] >= MIN_FUNCTION_SPEEDUP[name] for name in TIMED_HERE},
                  {name: True for name in TIMED_HERE},
                  f"{setup}: time inside each of your functions against its slow version: "
                  + ", ".join(f"{name} {r:.1f}x" for name, r in per_function.items())
-                 + f"; the target is {MIN_FUNCTION_SPEEDUP}x for " + " and ".join(TIMED_HERE))
+                 + "; the targets are " + " and ".join(f"{MIN_FUNCTION_SPEEDUP[n]}x for {n}" for n in TIMED_HERE))
 
 
 # ---- task 8: the OOM hunt ----------------------------------------------------------------------

@@ -149,8 +149,11 @@ def test_a_server_that_dies_says_so_with_its_log(tmp_path: Path) -> None:
         server.stop(grace_s=1.0)
 
 
+# Python's own SIGINT handler first, as a terminal's foreground job has it: a test run started in the background
+# from a script (`make test &`) ignores SIGINT, and a child Python would inherit that and never see Ctrl-C
 HOLDER = '''
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from benchmarks.serve_vs_vllm import torn_down
 from benchmarks.server_procs import ServerProcess, free_port
 with torn_down() as servers:

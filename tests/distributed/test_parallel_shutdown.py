@@ -32,10 +32,13 @@ def test_shutdown_and_garbage_collection_stop_the_workers():
     assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
 
 
+# A terminal's foreground job has Python's own SIGINT handler; a test run started in the background from a script
+# (`make test &`) ignores SIGINT, which the script would inherit, so it sets the handler itself
 CTRL_C_SCRIPT = """
-import sys
+import signal, sys
 from engine_core import LLM, SamplingParams
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     llm = LLM("tiny-llama", tensor_parallel_size=2, num_gpu_blocks=64)
     print(*[p.pid for p in llm.engine.executor.procs], flush=True)
     try:
