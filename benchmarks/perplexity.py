@@ -135,7 +135,7 @@ def quantization_kwargs(scheme: str, linear_amax: Path | None = None) -> dict[st
         return dict(quantization="int8")
     if scheme == "bf16":
         return {}
-    if scheme == "gguf-bf16":  # the real preset's own Q4_1 blocks through the int4 kernel
+    if scheme == "gguf-bf16":  # the real preset's own Q4_1 / Q8_0 blocks as llama.cpp computes them
         from engine_core.presets_real import gguf_path
         return dict(quantization="gguf", quantization_config={"file": str(gguf_path())})
     if scheme in _FP8_SCHEMES:

@@ -119,7 +119,7 @@ def vllm_server(vllm_python: str, model_dir: Path, name: str, a: argparse.Namesp
 
 def engine_server(model_dir: Path, name: str, a: argparse.Namespace) -> ServerProcess:
     port = free_port()
-    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    env = dict(os.environ)
     argv = [sys.executable, "-m", "engine_core.entrypoints.openai", "--model", str(model_dir),
             "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
             "--dtype", a.dtype, "--max-num-seqs", str(a.max_num_seqs),

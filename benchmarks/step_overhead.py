@@ -195,11 +195,15 @@ def linears_alone_ms(engine: LLMEngine, repeats: int = 5) -> tuple[float, float]
 
 def step_bytes(engine: LLMEngine, context: int) -> int:
     """Bytes a batch-1 decode step reads: every weight as stored (the tied LM head once) plus the K/V of
-    `context` tokens in every layer."""
-    runner = engine.runner
+    `context` tokens in every layer; a dense embedding the LM head does not read (gguf's head is the file's
+    Q8_0 blocks) counts one row."""
+    runner, model = engine.runner, engine.runner.model
     args = runner.model_config.args
-    kv = 2 * len(runner.model.layers) * context * args.num_kv_heads * args.head_dim * runner.kv_cache.key[0].element_size()
-    return runner.model.weight_bytes() + kv
+    kv = 2 * len(model.layers) * context * args.num_kv_heads * args.head_dim * runner.kv_cache.key[0].element_size()
+    unread = 0
+    if model.embed is not None and getattr(model.lm_head_proj, "weight", None) is not model.embed:
+        unread = model.embed.nbytes - model.embed[0].nbytes
+    return model.weight_bytes() - unread + kv
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,7 +4,8 @@
 
 Each round runs the workload once per thread count, in an order that alternates from round to round.
 Reported per dtype and thread count: median output tok/s, the process's CPU time over wall time (how many
-cores the engine keeps busy; OMP_WAIT_POLICY=PASSIVE, so a waiting OpenMP thread does not spin), the other
+cores the engine keeps busy; with libgomp's default wait policy an OpenMP thread spins a while between regions,
+which counts here: run with OMP_WAIT_POLICY=PASSIVE to count only work, at the cost of a wake-up per region), the other
 processes' CPU seconds during the runs (0 on a quiet machine), and the speedup of each thread count over the
 first.
 """

@@ -164,7 +164,7 @@ DTYPE_FORMAT = {"float32": "fp32", "bfloat16": "bf16"}
 def engine_format_kwargs(fmt: str) -> dict[str, Any]:
     if fmt in ENGINE_FORMATS:
         return ENGINE_FORMATS[fmt]
-    if fmt == "gguf":  # the real model's own Q4_1 blocks as int4, bf16 activations
+    if fmt == "gguf":  # the real model's own GGUF blocks, llama.cpp's arithmetic (int8 activations, bf16 elsewhere)
         from engine_core.presets_real import gguf_path
         return {"dtype": "bfloat16", "quantization": "gguf", "quantization_config": {"file": str(gguf_path())}}
     raise ValueError(f"--engine-formats: each must be fp32, bf16 or gguf, got {fmt!r}")

@@ -10,6 +10,10 @@
   `[M, 1]` (per token), `w_scale` `[1]` or `[N, 1]` (per channel), fp32 (0-dim, `[M]` and `[N]` accepted too); y[m, n] = (a @ w.T)[m, n] *
   a_scale[m] * w_scale[n].
 Both accumulate in fp32 and round once to the output dtype.
+- GGML A8 (llama.cpp's CPU arithmetic for GGUF blocks, `kernels.cpu.ggml_a8`): each 32-value block of an
+  activation row is quantized to int8 (Q8_1: dx = max|x| / 127, xq = round(x / dx), sx = dx * sum(xq)), and
+  y[t, n] = sum_b dw[n, b] dx[t, b] (q[n, block b] . xq[t, block b]) + mw[n, b] sx[t, b] for weights
+  w = q * dw + mw (q unsigned integers, `dw`, `mw` `[N, K / 32]`).
 """
 from __future__ import annotations
 
@@ -91,3 +95,27 @@ def check_fp8(a_fp8: torch.Tensor, a_scale: torch.Tensor, w_fp8: torch.Tensor, w
             kind = "per token" if name == "a_scale" else "per channel"
             raise ValueError(f"{name} must be [1] (per tensor) or [{per}, 1] = [{count}, 1] ({kind}; [{per}] is "
                              f"read the same), got {tuple(t.shape)}")
+
+
+GGML_BLOCK = 32  # values per activation / weight block in llama.cpp's formats
+
+
+def quantize_q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x `[M, K]` (K a multiple of 32) -> (xq int8 `[M, K]`, dx fp32 `[M, K / 32]`, sx fp32 `[M, K / 32]`), in fp32
+    as the C kernel computes them (round half to even)."""
+    blocks = x.float().reshape(x.shape[0], -1, GGML_BLOCK)
+    d = blocks.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv[..., None])
+    return q.to(torch.int8).reshape(x.shape), d, d * q.sum(-1)
+
+
+def ggml_a8_gemm(x: torch.Tensor, q: torch.Tensor, dw: torch.Tensor, mw: torch.Tensor) -> torch.Tensor:
+    """x `[M, K]` times the weight q * dw + mw (q `[N, K]` unsigned integers, dw / mw `[N, K / 32]`) with x
+    quantized by `quantize_q8_1`, summed in float64 -> `[M, N]` float64 (the C kernel's sums in fp32)."""
+    xq, dx, sx = quantize_q8_1(x)
+    n, k = q.shape
+    dots = torch.einsum("mbi,nbi->mnb", xq.double().reshape(-1, k // GGML_BLOCK, GGML_BLOCK),
+                        q.double().reshape(n, -1, GGML_BLOCK))
+    return (dots * dx.double()[:, None, :] * dw.double()[None]).sum(-1) + sx.double() @ mw.double().t()
+

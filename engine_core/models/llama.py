@@ -34,7 +34,8 @@ from engine_core.models.linear import Linear
 from engine_core.models.loader import CheckpointReader, read_config
 from engine_core.models.lora import LoRAMapping
 from engine_core.models.quantization.gguf_q4_1 import (Q4_1_BLOCK_BYTES, Q4_1_BLOCK_WEIGHTS, Q4_1LinearMethod,
-                                                      read_q4_1_blocks)
+                                                      read_gguf_blocks)
+from engine_core.models.quantization.gguf_q8_0 import Q8_0_BLOCK_BYTES, Q8_0LinearMethod, q8_0_head_applies
 from engine_core.models.quantization import (PACKED_METHODS, PackedLinearMethod, check_fp8_supported,
                                             check_model_shapes, fused_tensors, get_linear_method,
                                             resolve_packed_config)
@@ -92,9 +93,10 @@ def _linear(ckpt: CheckpointReader, names: list[str], bias: bool, rows: list[sli
         return Linear(None, _param(torch.cat([ckpt.get(f"{n}.bias") for n in names])) if bias else None,
                       PackedLinearMethod(quant, tensors, ckpt.dtype))
     if quant is not None and quant.method == "gguf":  # the GGUF's Q4_1 blocks of each matrix, stacked along N
-        raw = [quant.blocks.get(f"{n}.weight") for n in names]
-        if any(r is None for r in raw):
+        found = [quant.blocks.get(f"{n}.weight", ("none", None)) for n in names]
+        if any(kind != "Q4_1" for kind, _ in found):
             raise ValueError(f"quantization_config['file'] {quant.file!r} has no Q4_1 tensor for {names}")
+        raw = [r for _, r in found]
         k = raw[0].shape[1] // Q4_1_BLOCK_BYTES * Q4_1_BLOCK_WEIGHTS
         return Linear(None, _param(torch.cat([ckpt.get(f"{n}.bias") for n in names])) if bias else None,
                       Q4_1LinearMethod(torch.cat(raw).reshape(-1), sum(r.shape[0] for r in raw), k, ckpt.dtype))
@@ -102,6 +104,17 @@ def _linear(ckpt: CheckpointReader, names: list[str], bias: bool, rows: list[sli
     weight = torch.cat(parts)
     return Linear(_param(weight), _param(torch.cat([ckpt.get(f"{n}.bias")[r] for n, r in zip(names, rows)]))
                   if bias else None, get_linear_method(quant, names[0], weight.shape[1], [p.shape[0] for p in parts]))
+
+
+def _gguf_head(quant: QuantizationConfig | None, embed: torch.Tensor, tied: bool) -> Linear | None:
+    """The tied LM head from the GGUF's Q8_0 embedding blocks, as llama.cpp serves it, where they can run
+    (`q8_0_head_applies`); None: the dense head."""
+    if quant is None or quant.method != "gguf" or not tied or not q8_0_head_applies(embed.device, embed.dtype):
+        return None
+    kind, raw = quant.blocks.get("model.embed_tokens.weight", ("none", None))
+    if kind != "Q8_0" or raw.shape != (embed.shape[0], embed.shape[1] // 32 * Q8_0_BLOCK_BYTES):
+        return None
+    return Linear(None, None, Q8_0LinearMethod(raw.reshape(-1), embed.shape[0], embed.shape[1], embed.dtype))
 
 
 def _sharded_linear(ckpt: CheckpointReader, prefix: str, projections: list[str], bias: bool,
@@ -265,8 +278,10 @@ class LlamaForCausalLM(nn.Module):
         if self.is_last_stage:
             self.norm = RMSNorm(ckpt.get("model.norm.weight"), args.rms_norm_eps)
             self.lm_head = self.embed if tied else _param(self._vocab_rows(ckpt.get("lm_head.weight")))
-            self.lm_head_proj = Linear(self.lm_head) if tp is None else ParallelLMHead(self.lm_head, args.vocab_size,
-                                                                                       tp.group)
+            head = _gguf_head(quant, self.lm_head, tied) if tp is None else None
+            if head is None:
+                head = Linear(self.lm_head) if tp is None else ParallelLMHead(self.lm_head, args.vocab_size, tp.group)
+            self.lm_head_proj = head
         # cos/sin for every position once, as Hugging Face computes them: (pos * inv_freq).cos()
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * rope_inv_freq(args)[None, :]
         self.register_buffer("cos", freqs.cos().to(device=ckpt.device, dtype=ckpt.dtype), persistent=False)
@@ -282,7 +297,8 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_bytes_by_scheme(self) -> dict[str, int]:
         """`weight_bytes` split by how the bytes are stored: the projections under their `quantization` scheme's
-        name (dense ones under their dtype's), every other tensor (embedding, norms, LM head) under its dtype's."""
+        name (dense ones under their dtype's; a gguf model's Q8_0 LM head under "gguf"), every other tensor
+        (embedding, norms, a dense LM head) under its dtype's."""
         linears = [m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head_proj]
         dense = {id(p): p for p in self.parameters()}  # a tied LM head counted once
         by_scheme: dict[str, int] = {}
@@ -292,6 +308,8 @@ class LlamaForCausalLM(nn.Module):
                 dense.pop(id(weight), None)
             name = str(weight.dtype).removeprefix("torch.") if self.quant is None else self.quant.method
             by_scheme[name] = by_scheme.get(name, 0) + lin.weight_bytes()
+        if self.lm_head_proj is not None and getattr(self.lm_head_proj, "weight", None) is None:
+            by_scheme[self.quant.method] = by_scheme.get(self.quant.method, 0) + self.lm_head_proj.weight_bytes()
         for p in dense.values():
             name = str(p.dtype).removeprefix("torch.")
             by_scheme[name] = by_scheme.get(name, 0) + p.nbytes
@@ -337,7 +355,7 @@ def load_model(folder: str | Path, args: LlamaArgs, dtype: torch.dtype, device: 
     if quant is not None and quant.method in PACKED_METHODS:
         quant = resolve_packed_config(folder, quant)
     elif quant is not None and quant.method == "gguf":
-        quant = dataclasses.replace(quant, blocks=read_q4_1_blocks(quant.file, args.num_heads, args.num_kv_heads))
+        quant = dataclasses.replace(quant, blocks=read_gguf_blocks(quant.file, args.num_heads, args.num_kv_heads))
     elif (stored := packed_quant_method(read_config(folder))) is not None:
         raise ValueError(f"checkpoint {str(folder)!r} is {stored}-quantized (config.json's quantization_config); "
                          f"load it with quantization={stored!r}, got {None if quant is None else quant.method!r}")

@@ -73,6 +73,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, f"decode_attention_block_{t}").argtypes = [ptr] * 10 + [i64] * 11 + [ctypes.c_float]
         getattr(lib, f"decode_attention_block_{t}").restype = ctypes.c_int
     lib.reshape_and_cache.restype = ctypes.c_int
+    lib.ggml_mul_mat_a8.argtypes = [ptr] * 5 + [i64] * 6
+    lib.ggml_mul_mat_a8.restype = ctypes.c_int
 
 
 def _check(status: int) -> None:

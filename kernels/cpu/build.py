@@ -38,21 +38,22 @@ def compiler() -> str:
     return cc
 
 
-def library_path(cc: str) -> Path:
+def library_path(cc: str, extra_flags: tuple[str, ...] = ()) -> Path:
     """Where the library for these sources, flags, compiler and CPU lives."""
     h = hashlib.sha256()
     for src in sorted(CSRC.iterdir()):  # sources and headers
         h.update(src.name.encode() + src.read_bytes())
-    h.update(" ".join(FLAGS).encode())
+    h.update(" ".join(FLAGS + list(extra_flags)).encode())
     h.update(subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.encode())
     h.update(_cpu_flags().encode())
     return cache_dir() / f"cpu-kernels-{h.hexdigest()[:16]}.so"
 
 
-def build() -> Path:
-    """The cached library's path, compiling it first if needed. Raises BuildError."""
+def build(extra_flags: tuple[str, ...] = ()) -> Path:
+    """The cached library's path, compiling it first if needed. Raises BuildError. `extra_flags` go after
+    FLAGS (tests build the portable paths of a kernel with e.g. `-mno-avx512vnni`)."""
     cc = compiler()
-    target = library_path(cc)
+    target = library_path(cc, extra_flags)
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -62,7 +63,7 @@ def build() -> Path:
             return target
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        cmd = [cc, *FLAGS, *map(str, sorted(CSRC.glob("*.c"))), "-o", tmp, "-lm"]
+        cmd = [cc, *FLAGS, *extra_flags, *map(str, sorted(CSRC.glob("*.c"))), "-o", tmp, "-lm"]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             os.unlink(tmp)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from benchmarks import step_overhead
 from benchmarks.vs_llamacpp import report as llamacpp_report
 from benchmarks.vs_vllm import Side, report, tree_cpu_seconds, vllm_env
@@ -72,8 +74,11 @@ def test_thread_scaling_prints_a_row_per_thread_count(capsys) -> None:
 
 FAKE_LLAMA_CPP = '''
 __version__ = "0.0-test"
+from llama_cpp import llama_cpp as bindings
 class Llama:
     def __init__(self, model_path, **kw):
+        if not bindings.llama_model_default_params().use_extra_bufts:
+            raise SystemExit(7)  # the driver asked for no extra buffer types: the test reads this status
         self.resets = 0
     def reset(self):
         self.resets += 1
@@ -86,20 +91,34 @@ class Llama:
 '''
 
 
+FAKE_BINDINGS = '''
+class Params:
+    use_extra_bufts = True
+def llama_model_default_params():
+    return Params()
+'''
+
+
 def test_llamacpp_driver_protocol_with_a_stand_in_llama_cpp(tmp_path) -> None:
     import os
 
     from benchmarks.vs_llamacpp import DRIVER
     from benchmarks.vs_vllm import VllmProcess
 
-    (tmp_path / "llama_cpp.py").write_text(FAKE_LLAMA_CPP)
+    (tmp_path / "llama_cpp").mkdir()
+    (tmp_path / "llama_cpp" / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    (tmp_path / "llama_cpp" / "llama_cpp.py").write_text(FAKE_BINDINGS)
     spec = {"gguf": "x.gguf", "threads": 1, "n_ctx": 64, "warm_up_prompts": [[1]],
             "workloads": {"batch 1": {"prompts": [[3, 4]], "output_lens": [3]},
                           "batch 2": {"prompts": [[5], [6]], "output_lens": [2, 1]}}}
-    proc = VllmProcess(sys.executable, spec, dict(os.environ, PYTHONPATH=str(tmp_path)), driver=DRIVER)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    proc = VllmProcess(sys.executable, spec, env, driver=DRIVER)
     try:
         one = proc.run_reply("run batch 1")
         assert one["token_ids"] == [[29, 4, 29]] and len(one["decode_s"]) == 1 and one["wall_s"] > 0
         assert proc.run_reply("run batch 2")["token_ids"] == [[36, 3], [43]]
     finally:
         proc.close()
+    # without extra buffer types (the fallback after a crash in llama.cpp's AMX path) Llama sees the flag off
+    with pytest.raises(RuntimeError, match="exited with status 7"):
+        VllmProcess(sys.executable, dict(spec, extra_buffer_types=False), env, driver=DRIVER)

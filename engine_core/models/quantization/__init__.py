@@ -5,10 +5,11 @@
 - smoothquant.py: W8A8 after SmoothQuant's migration, `quantization_config={"smoothquant": FILE}`
 - rtn.py: W4A16 (or W8A16) group-wise round-to-nearest, `quantization="rtn"`
 - packed.py: GPTQ and AWQ checkpoints (gptq.py, awq.py: their packing), `quantization="gptq"` / `"awq"`
-- gguf_q4_1.py: a GGUF file's Q4_1 blocks served as int4, `quantization="gguf"`
+- gguf_q4_1.py: a GGUF file's Q4_1 blocks served as they are, `quantization="gguf"`
+- gguf_q8_0.py: its Q8_0 embedding blocks as the tied LM head (bf16 on CPU, as llama.cpp serves it)
 - fp8.py: W8A8 float8_e4m3fn quantized at load, `quantization="fp8"`
 
-The LM head and the embedding stay dense.
+The embedding stays dense, and so does the LM head except gguf_q8_0's.
 """
 from __future__ import annotations
 

@@ -4,7 +4,9 @@ A block covers 32 consecutive weights of a row in 20 bytes: `d` (fp16, the step)
 block's minimum), then 16 bytes of nibbles. Byte j holds weight j in its low nibble and weight j + 16 in
 its high nibble (not 2j and 2j + 1). Weight = q * d + m, q in 0..15: asymmetric, with a float minimum
 instead of an integer zero, so 0 is not always exact. 5 bits per weight (4 + 2 * 16 / 32).
-`Q4_1LinearMethod` serves the blocks as they are through torch's CPU int4 kernel.
+`Q4_1LinearMethod` serves the blocks as they are: on CPU in llama.cpp's arithmetic (`kernels.cpu.ggml_a8`:
+int8 activations, integer dots per block), on CUDA through the Triton W4A16 GEMM. `read_gguf_blocks` also
+gives the file's Q8_0 tensors (SmolLM2's embedding, the tied LM head: gguf_q8_0.py).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from torch import nn
 
 from engine_core.models.quantization.base import LinearMethodBase, add_bias_residual
 from engine_core.models.quantization.rtn import int4pack_applies, pack_along_k, run_w4a16_kernel, w4a16_kernel_applies
+from kernels.cpu.ggml_a8 import ggml_a8_applies, ggml_mul_mat_a8, pack_q4_1
 
 Q4_1_BLOCK_WEIGHTS, Q4_1_BLOCK_BYTES = 32, 20
 
@@ -49,12 +52,13 @@ def q4_1_parts(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.T
 
 
 class Q4_1LinearMethod(LinearMethodBase):
-    """The GGUF's Q4_1 blocks served as int4 (`quantization="gguf"`): torch's CPU kernel computes
-    (q - 8) * scale + zero per group of 32, so scale = d and zero = m + 8d give q * d + m with no
-    re-rounding onto another grid (only d and m + 8d rounded to the activations' bf16/fp16). On Triton (CUDA,
-    bf16/fp16) the nibbles go into GPTQ's layout and `kernels.w4a16_gemm` takes d and m as they are (fp16, the
-    file's own values) as scales and float zeros. Other dtypes and devices dequantize exactly and run
-    `F.linear` (the reference path)."""
+    """The GGUF's Q4_1 blocks served as int4 (`quantization="gguf"`). bf16 on CPU: `kernels.cpu.ggml_a8.ggml_mul_mat_a8`
+    on the blocks' own q, d and m (the activations rounded to int8 per block, as llama.cpp does). On Triton
+    (CUDA, bf16/fp16) the nibbles go into GPTQ's layout and `kernels.w4a16_gemm` takes d and m as they are
+    (fp16, the file's own values) as scales and float zeros. Without the C kernels, bf16/fp16 on CPU take
+    torch's int4 kernel: it computes (q - 8) * scale + zero per group of 32, so scale = d and zero = m + 8d
+    give q * d + m (d and m + 8d rounded to the activations' dtype). fp32 and other cases dequantize exactly
+    and run `F.linear` (the reference path: exact weights)."""
 
     def __init__(self, raw: torch.Tensor, n: int, k: int, dtype: torch.dtype) -> None:
         self.parts, self.n, self.k, self.dtype = q4_1_parts(raw, n, k), n, k, dtype
@@ -66,9 +70,12 @@ class Q4_1LinearMethod(LinearMethodBase):
         q, d, m = self.parts
         del self.parts
         layer.weight_int4pack = layer.scales_and_zeros = layer.q = layer.d = layer.m = layer.qweight = None
+        layer.ggml = None
         layer.dtype, layer.w4a16_kernel = self.dtype, w4a16_kernel_applies(q.device, self.dtype, 4, Q4_1_BLOCK_WEIGHTS)
         if layer.w4a16_kernel:
             layer.qweight, layer.d, layer.m = pack_along_k(q, 4), d.half(), m.half()  # exact: fp16 in the file
+        elif self.dtype == torch.bfloat16 and ggml_a8_applies(q.device, self.dtype):
+            layer.ggml = pack_q4_1(q, d.t().half(), m.t().half())
         elif int4pack_applies(q.device, self.dtype, 4, self.n):
             layer.weight_int4pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             layer.scales_and_zeros = torch.stack([d, m + 8 * d], dim=-1).to(self.dtype).contiguous()
@@ -81,7 +88,9 @@ class Q4_1LinearMethod(LinearMethodBase):
         return layer.q.float() * layer.d.t().repeat_interleave(g, 1) + layer.m.t().repeat_interleave(g, 1)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if layer.w4a16_kernel:
+        if layer.ggml is not None:
+            y = ggml_mul_mat_a8(x, layer.ggml)
+        elif layer.w4a16_kernel:
             y = run_w4a16_kernel(layer, x, layer.d, layer.m, Q4_1_BLOCK_WEIGHTS)
         elif layer.weight_int4pack is None:
             y = F.linear(x, self.dequantized_weight(layer).to(x.dtype))
@@ -96,22 +105,23 @@ class Q4_1LinearMethod(LinearMethodBase):
 
     def weight_bytes(self, layer: nn.Module) -> int:
         held = [layer.weight_int4pack, layer.scales_and_zeros, layer.q, layer.d, layer.m, layer.qweight]
-        return sum(t.nbytes for t in held if t is not None)
+        return sum(t.nbytes for t in held if t is not None) + (0 if layer.ggml is None else layer.ggml.nbytes)
 
 
-def read_q4_1_blocks(path: str, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tensor]:
-    """Every Q4_1 projection of a llama GGUF file -> its blocks uint8 `[N, K / 32 * 20]` under its Hugging Face
-    name, q_proj / k_proj rows un-permuted as the converter does (a row's blocks move with it)."""
-    from gguf import GGUFReader, GGMLQuantizationType
+def read_gguf_blocks(path: str, num_heads: int, num_kv_heads: int) -> dict[str, tuple[str, torch.Tensor]]:
+    """Every Q4_1 and Q8_0 matrix of a llama GGUF file -> ("Q4_1" or "Q8_0", its blocks uint8 `[N, K / 32 * bytes
+    a block]`) under its Hugging Face name (Q4_1: 20 bytes a block, Q8_0: 34), q_proj / k_proj rows un-permuted as
+    the converter does (a row's blocks move with it)."""
+    from gguf import GGMLQuantizationType, GGUFReader
 
     from engine_core.presets_real import hf_name, unpermute_qk
 
     out = {}
     for t in GGUFReader(path).tensors:
-        if t.tensor_type != GGMLQuantizationType.Q4_1:
+        if t.tensor_type not in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
             continue
         name, data = hf_name(t.name), np.array(t.data)
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             data = unpermute_qk(data, num_heads if name.endswith("q_proj.weight") else num_kv_heads)
-        out[name] = torch.from_numpy(np.ascontiguousarray(data))
+        out[name] = (t.tensor_type.name, torch.from_numpy(np.ascontiguousarray(data)))
     return out

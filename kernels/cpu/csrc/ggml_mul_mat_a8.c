@@ -1,0 +1,209 @@
+/* A GGUF matrix times activations, llama.cpp's way: each 32-value block of an activation row is
+ * quantized to int8 with one fp32 step (ggml's Q8_1: dx = max|x| / 127, xq = round(x / dx), and
+ * sx = dx * sum(xq)), and each output is an integer dot per block, scaled once:
+ *
+ *     y[t][n] = sum_b dw[n][b] * dx[t][b] * sum_i q[n][32b + i] * xq[t][32b + i]  +  mw[n][b] * sx[t][b]
+ *
+ * for weights w = q * dw + mw with unsigned q (Q4_1: q in 0..15, mw the block's minimum; Q8_0 as
+ * q = w + 128 in 0..255, so mw = -128 dw and only dw is stored).
+ *
+ * Layout (kernels/cpu/ggml_a8.py packs it): rows in tiles of 16 (the last padded with zero rows),
+ * a tile's blocks one after another, each as 8 slices of 4 consecutive k for the 16 rows: slice v
+ * holds, per row l, bytes q[l][32b + 4v .. 32b + 4v + 3] (8-bit: 8 x 64 bytes; 4-bit: 4 x 64 bytes,
+ * slice v in the low nibbles and slice v + 4 in the high ones). So one AVX512-VNNI vpdpbusd against
+ * 4 activation bytes broadcast adds 64 products into 16 lanes, one lane per output row: no horizontal
+ * sums, and a block's dots scale by its 16 rows' dw (fp16 [tile][block][16], as the GGUF stores
+ * them) in one FMA. A tile is read once per 4 activation rows; tiles go to OpenMP threads. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec8.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define GGML_A8_VNNI 1
+#endif
+
+enum { QK = 32, TILE = 16, TOKENS = 4 };
+
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t u;
+    float f;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        f = ldexpf((float)man, -24);
+        memcpy(&u, &f, 4);
+        u |= sign;
+    } else {
+        u = sign | (exp == 31 ? 0x7F800000u | man << 13 : (exp + 112) << 23 | man << 13);
+    }
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#ifdef GGML_A8_VNNI
+/* One activation row -> int8 blocks, each block's step d and step * sum s (32 values: two vectors). */
+static void quantize_row_q8_1(const float *x, int64_t k, int8_t *q, float *d, float *s) {
+    for (int64_t b = 0; b < k / QK; b++) {
+        const __m512 lo = _mm512_loadu_ps(x + b * QK), hi = _mm512_loadu_ps(x + b * QK + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+        /* the default rounding mode: to nearest, ties to even, as torch.round */
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(q + b * QK), _mm512_cvtsepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm512_cvtsepi32_epi8(qhi));
+        d[b] = db;
+        s[b] = db * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    }
+}
+#else
+/* One activation row -> int8 blocks, each block's step d and step * sum s. */
+static void quantize_row_q8_1(const float *x, int64_t k, int8_t *q, float *d, float *s) {
+    for (int64_t b = 0; b < k / QK; b++) {
+        const float *xb = x + b * QK;
+        int8_t *qb = q + b * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < QK; i++) {
+            const int v = (int)nearbyintf(xb[i] * inv); /* ties to even, as torch.round */
+            qb[i] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = db;
+        s[b] = db * (float)sum;
+    }
+}
+#endif
+
+/* The activations of one call, quantized: xq [m][k], dx and sx [m][k / 32]. */
+typedef struct {
+    const int8_t *xq;
+    const float *dx, *sx;
+    int64_t k;
+} Acts;
+
+#ifdef GGML_A8_VNNI
+/* A tile's 16 outputs for tokens t0 .. t0 + T - 1 (T a compile-time constant after inlining). */
+static inline __attribute__((always_inline)) void tile_vnni(const uint8_t *w, const uint16_t *dw, const uint16_t *mw,
+                                                            int bits, Acts a, int64_t t0, const int T,
+                                                            float out[TOKENS][TILE]) {
+    const int64_t nb = a.k / QK, block_bytes = bits == 4 ? 256 : 512;
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    __m512 acc[TOKENS];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = w + b * block_bytes;
+        __m512i s[8]; /* slice v: k 4v .. 4v + 3 of the block, 16 rows */
+        if (bits == 4) {
+            for (int u = 0; u < 4; u++) {
+                const __m512i v = _mm512_loadu_si512(wb + 64 * u);
+                s[u] = _mm512_and_si512(v, nibble);
+                s[u + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+            }
+        } else {
+            for (int v = 0; v < 8; v++) s[v] = _mm512_loadu_si512(wb + 64 * v);
+        }
+        const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dw + b * TILE)));
+        const __m512 m16 = bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mw + b * TILE))) : d16;
+        for (int t = 0; t < T; t++) {
+            const int64_t row = (t0 + t) * nb + b;
+            int32_t x4[8]; /* the block's activations, 4 bytes a slice */
+            memcpy(x4, a.xq + row * QK, sizeof x4);
+            __m512i p[4]; /* four independent chains of dpbusd */
+            for (int c = 0; c < 4; c++) p[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), s[c], _mm512_set1_epi32(x4[c]));
+            for (int c = 0; c < 4; c++) p[c] = _mm512_dpbusd_epi32(p[c], s[c + 4], _mm512_set1_epi32(x4[c + 4]));
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_add_epi32(p[0], p[1]), _mm512_add_epi32(p[2], p[3])));
+            const __m512 dx = _mm512_set1_ps(a.dx[row]), sx = _mm512_set1_ps(a.sx[row]);
+            if (bits == 4) {
+                acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d16, dx), acc[t]);
+                acc[t] = _mm512_fmadd_ps(m16, sx, acc[t]);
+            } else { /* dw * (dx * dot - 128 sx) */
+                acc[t] = _mm512_fmadd_ps(_mm512_fmadd_ps(dot, dx, _mm512_mul_ps(sx, _mm512_set1_ps(-128.0f))), d16, acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < T; t++) _mm512_storeu_ps(out[t], acc[t]);
+}
+
+static void compute_tile(const uint8_t *w, const uint16_t *dw, const uint16_t *mw, int bits, Acts a, int64_t t0,
+                         int T, float out[TOKENS][TILE]) {
+    switch (T) { /* a constant token count, so the token loop unrolls */
+    case 4: tile_vnni(w, dw, mw, bits, a, t0, 4, out); break;
+    case 3: tile_vnni(w, dw, mw, bits, a, t0, 3, out); break;
+    case 2: tile_vnni(w, dw, mw, bits, a, t0, 2, out); break;
+    default: tile_vnni(w, dw, mw, bits, a, t0, 1, out);
+    }
+}
+#else
+/* The same sums, one weight at a time (CPUs without AVX512-VNNI). */
+static void compute_tile(const uint8_t *w, const uint16_t *dw, const uint16_t *mw, int bits, Acts a, int64_t t0,
+                         int T, float out[TOKENS][TILE]) {
+    const int64_t nb = a.k / QK, block_bytes = bits == 4 ? 256 : 512;
+    for (int t = 0; t < T; t++)
+        for (int l = 0; l < TILE; l++) {
+            float sum = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t row = (t0 + t) * nb + b;
+                int32_t dot = 0;
+                for (int i = 0; i < QK; i++) {
+                    const int v = i / 4, j = i % 4;
+                    const uint8_t *wb = w + b * block_bytes;
+                    const int q = bits == 8 ? wb[64 * v + 4 * l + j] : (wb[64 * (v % 4) + 4 * l + j] >> (v < 4 ? 0 : 4)) & 0x0F;
+                    dot += q * a.xq[row * QK + i];
+                }
+                const float d = f16_to_f32(dw[b * TILE + l]), m = bits == 4 ? f16_to_f32(mw[b * TILE + l]) : -128.0f * d;
+                sum += d * a.dx[row] * (float)dot + m * a.sx[row];
+            }
+            out[t][l] = sum;
+        }
+}
+#endif
+
+/* out [m][n] (fp32, or bf16 when `bf16`) = x [m][k] (rows x_stride apart; fp32 or bf16) times the packed
+ * weight (n rows, mw unused for 8 bits). Returns 0, or 5 when the scratch for the quantized activations
+ * cannot be allocated. */
+int ggml_mul_mat_a8(void *out, const void *x, const uint8_t *w, const uint16_t *dw, const uint16_t *mw, int64_t m,
+                    int64_t n, int64_t k, int64_t x_stride, int64_t bits, int64_t bf16) {
+    const int64_t nb = k / QK, tiles = (n + TILE - 1) / TILE, tile_bytes = nb * (bits == 4 ? 256 : 512);
+    float *rows = malloc(sizeof(float) * (size_t)(m * k)), *dx = malloc(sizeof(float) * (size_t)(m * nb)),
+          *sx = malloc(sizeof(float) * (size_t)(m * nb));
+    int8_t *xq = malloc((size_t)(m * k));
+    if (!rows || !dx || !sx || !xq) {
+        free(rows), free(dx), free(sx), free(xq);
+        return 5;
+    }
+#pragma omp parallel for schedule(static) if (m >= 8)
+    for (int64_t t = 0; t < m; t++) {
+        float *xt = rows + t * k;
+        if (bf16) {
+            const bf16_t *src = (const bf16_t *)x + t * x_stride;
+            for (int64_t j = 0; j < k; j++) xt[j] = bf16_to_f32(src[j]);
+        } else {
+            memcpy(xt, (const float *)x + t * x_stride, sizeof(float) * (size_t)k);
+        }
+        quantize_row_q8_1(xt, k, xq + t * k, dx + t * nb, sx + t * nb);
+    }
+    const Acts a = {xq, dx, sx, k};
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < tiles; i++) {
+        const int64_t r0 = i * TILE, rows_here = n - r0 < TILE ? n - r0 : TILE;
+        for (int64_t t0 = 0; t0 < m; t0 += TOKENS) {
+            const int T = (int)(m - t0 < TOKENS ? m - t0 : TOKENS);
+            float y[TOKENS][TILE];
+            compute_tile(w + i * tile_bytes, dw + i * nb * TILE, mw + i * nb * TILE, (int)bits, a, t0, T, y);
+            for (int t = 0; t < T; t++)
+                for (int64_t l = 0; l < rows_here; l++) {
+                    const int64_t o = (t0 + t) * n + r0 + l;
+                    if (bf16) ((bf16_t *)out)[o] = f32_to_bf16(y[t][l]);
+                    else ((float *)out)[o] = y[t][l];
+                }
+        }
+    }
+    free(rows), free(dx), free(sx), free(xq);
+    return 0;
+}
