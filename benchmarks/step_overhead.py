@@ -33,6 +33,7 @@ import torch
 from benchmarks.decode_latency import busy_seconds
 from engine_core.engine import LLMEngine
 from engine_core.models.attention import AttentionPlan
+from engine_core.models.quantization.gguf_q8_0 import Q8_0LinearMethod
 from engine_core.request import SamplingParams
 
 FORMATS = ("fp32", "bf16", "gguf")
@@ -201,7 +202,7 @@ def step_bytes(engine: LLMEngine, context: int) -> int:
     args = runner.model_config.args
     kv = 2 * len(model.layers) * context * args.num_kv_heads * args.head_dim * runner.kv_cache.key[0].element_size()
     unread = 0
-    if model.embed is not None and getattr(model.lm_head_proj, "weight", None) is not model.embed:
+    if model.embed is not None and isinstance(getattr(model.lm_head_proj, "quant_method", None), Q8_0LinearMethod):
         unread = model.embed.nbytes - model.embed[0].nbytes
     return model.weight_bytes() - unread + kv
 

@@ -308,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
                 dense.pop(id(weight), None)
             name = str(weight.dtype).removeprefix("torch.") if self.quant is None else self.quant.method
             by_scheme[name] = by_scheme.get(name, 0) + lin.weight_bytes()
-        if self.lm_head_proj is not None and getattr(self.lm_head_proj, "weight", None) is None:
+        if isinstance(getattr(self.lm_head_proj, "quant_method", None), Q8_0LinearMethod):  # gguf's Q8_0 head
             by_scheme[self.quant.method] = by_scheme.get(self.quant.method, 0) + self.lm_head_proj.weight_bytes()
         for p in dense.values():
             name = str(p.dtype).removeprefix("torch.")
