@@ -3,8 +3,9 @@
 
 y = x @ W.T with x `[M, K]`, W `[N, K]`, M = 1 .. 256, for: fp32 and bf16 (`F.linear`), W8A8 (per-token int8
 quantization of x, `torch._int_mm`, the fp32 scale epilogue: Int8LinearMethod's arithmetic), W8A16
-(`aten._weight_int8pack_mm`, bf16 x, per-channel scales) and W4A16 (`aten._weight_int4pack_mm_for_cpu`,
-bf16 x, group 128 scale and zero). Each scheme holds enough distinct copies of its weight that one pass
+(`aten._weight_int8pack_mm`, bf16 x, per-channel scales), W4A16 (`aten._weight_int4pack_mm_for_cpu`,
+bf16 x, group 128 scale and zero) and Q4_1 A8 (the GGUF path's `kernels.cpu.ggml_a8.ggml_mul_mat_a8`: Q4_1
+blocks of 32, bf16 x rounded to int8 per 32, integer dots). Each scheme holds enough distinct copies of its weight that one pass
 over them is 4x the L3 (read from sysfs), and each call takes the next copy: every call reads its weight
 from DRAM, as a model's layers do in a decode step. The schemes alternate within each repetition (a
 drift in machine load hits all of them alike); the table shows medians. The other processes' CPU time
@@ -28,6 +29,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from kernels.cpu.ggml_a8 import ggml_a8_applies, ggml_mul_mat_a8, pack_q4_1
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GROUP = 128
@@ -89,6 +92,14 @@ def schemes(k: int, n: int, copies: Callable[[int], int]) -> dict[str, tuple[int
     bytes4 = packed.nbytes + sz.nbytes
     out["W4A16"] = (bytes4, cycling([(packed.clone(), sz) for _ in range(copies(bytes4))],
                                     lambda x, h: torch.ops.aten._weight_int4pack_mm_for_cpu(x, h[0], GROUP, h[1])))
+    if ggml_a8_applies(torch.device("cpu"), torch.bfloat16):  # needs the C kernels
+        blocks = w.reshape(n, k // 32, 32)
+        m1 = blocks.amin(-1)
+        d1 = ((blocks.amax(-1) - m1) / 15).clamp(min=1e-8).half()
+        q41 = torch.round((blocks - m1.half().float()[..., None]) / d1.float()[..., None]).clamp(0, 15).reshape(n, k)
+        one = pack_q4_1(q41, d1, m1.half())
+        out["Q4_1 A8"] = (one.nbytes, cycling([pack_q4_1(q41, d1, m1.half()) for _ in range(copies(one.nbytes))],
+                                              ggml_mul_mat_a8))
     return out
 
 
