@@ -8,8 +8,8 @@
  * the OpenMP threads dynamically, since context lengths differ.
  *
  * Per block: scores S[i][t] = q_i . k_t * scale (one 8-wide FMA chain per (token, query head));
- * P = exp(S - m_new), 8 at a time (exp8 in vec8.h); then acc_i += P[i] V, each 8-float chunk of a
- * V row loaded (for bf16: widened) once for all query heads of its GQA group. head_dim is
+ * P = exp(S - m_new), 8 at a time (exp8 in vec8.h); then acc_i += P[i] V,
+ * keeping acc_i's 8-float chunk in a register while it runs down the block's V rows. head_dim is
  * a multiple of 8 (the caller checks), specialised at compile time for 16, 32, 64 and 128 so the
  * loops over it unroll. The next block's rows are prefetched while a block computes.
  *

@@ -69,16 +69,16 @@ static inline __attribute__((always_inline)) int FN(attend_heads)(
             m[i] = m_new;
             for (int64_t j = 0; j < nv; j++) acc[i][j] *= alpha;
         }
-        /* acc_i += P[i] V: each 8-float chunk of a V row is loaded (widened) once for its GQA group */
         for (int64_t h = 0; h < nh; h++) {
             const T *v = value_cache + base + h * head_dim;
-            v8 *a = &acc[h * group][0];
-            const float(*ph)[padded] = &p[h * group];
-            for (int64_t j = 0; j < nv; j++)
-                for (int64_t t = 0; t < n; t++) {
-                    const v8 vt = LOAD8(v + t * token_stride + 8 * j);
-                    for (int64_t g = 0; g < group; g++) a[g * nv + j] += ph[g][t] * vt;
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t i = h * group + g;
+                for (int64_t j = 0; j < nv; j++) {
+                    v8 a = acc[i][j];
+                    for (int64_t t = 0; t < n; t++) a += p[i][t] * LOAD8(v + t * token_stride + 8 * j);
+                    acc[i][j] = a;
                 }
+            }
         }
     }
     for (int64_t i = 0; i < nq; i++) {
