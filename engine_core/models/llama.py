@@ -34,8 +34,8 @@ from engine_core.models.linear import Linear
 from engine_core.models.loader import CheckpointReader, read_config
 from engine_core.models.lora import LoRAMapping
 from engine_core.models.quantization.gguf_q4_1 import (Q4_1_BLOCK_BYTES, Q4_1_BLOCK_WEIGHTS, Q4_1LinearMethod,
-                                                      read_gguf_blocks)
-from engine_core.models.quantization.gguf_q8_0 import Q8_0_BLOCK_BYTES, Q8_0LinearMethod, q8_0_head_applies
+                                                      gguf_a8_applies, read_gguf_blocks)
+from engine_core.models.quantization.gguf_q8_0 import Q8_0_BLOCK_BYTES, Q8_0_BLOCK_WEIGHTS, Q8_0LinearMethod
 from engine_core.models.quantization import (PACKED_METHODS, PackedLinearMethod, check_fp8_supported,
                                             check_model_shapes, fused_tensors, get_linear_method,
                                             resolve_packed_config)
@@ -108,11 +108,11 @@ def _linear(ckpt: CheckpointReader, names: list[str], bias: bool, rows: list[sli
 
 def _gguf_head(quant: QuantizationConfig | None, embed: torch.Tensor, tied: bool) -> Linear | None:
     """The tied LM head from the GGUF's Q8_0 embedding blocks, as llama.cpp serves it, where they can run
-    (`q8_0_head_applies`); None: the dense head."""
-    if quant is None or quant.method != "gguf" or not tied or not q8_0_head_applies(embed.device, embed.dtype):
+    (`gguf_a8_applies`); None: the dense head."""
+    if quant is None or quant.method != "gguf" or not tied or not gguf_a8_applies(embed.device, embed.dtype):
         return None
     kind, raw = quant.blocks.get("model.embed_tokens.weight", ("none", None))
-    if kind != "Q8_0" or raw.shape != (embed.shape[0], embed.shape[1] // 32 * Q8_0_BLOCK_BYTES):
+    if kind != "Q8_0" or raw.shape != (embed.shape[0], embed.shape[1] // Q8_0_BLOCK_WEIGHTS * Q8_0_BLOCK_BYTES):
         return None
     return Linear(None, None, Q8_0LinearMethod(raw.reshape(-1), embed.shape[0], embed.shape[1], embed.dtype))
 

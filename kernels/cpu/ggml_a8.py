@@ -116,12 +116,9 @@ def ggml_mul_mat_a8(x: torch.Tensor, w: GgmlA8Weight, lib: ctypes.CDLL | None = 
     m = rows.shape[0]
     out = torch.empty(m, w.n, dtype=x.dtype)
     if m:
-        args = (out.data_ptr(), rows.data_ptr(), *w.args, m, w.n, w.k, rows.stride(0), w.bits, _DTYPES[x.dtype])
-        if torch.autograd._profiler_enabled():
-            with _profiled("kernels.cpu.ggml_a8.ggml_mul_mat_a8"):
-                status = lib.ggml_mul_mat_a8(*args)
-        else:
-            status = lib.ggml_mul_mat_a8(*args)
+        with _profiled("kernels.cpu.ggml_a8.ggml_mul_mat_a8"):
+            status = lib.ggml_mul_mat_a8(out.data_ptr(), rows.data_ptr(), *w.args, m, w.n, w.k, rows.stride(0), w.bits,
+                                         _DTYPES[x.dtype])
         if status:
             raise MemoryError(f"ggml_mul_mat_a8: no memory for {m} quantized activation rows")
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], w.n)

@@ -22,6 +22,12 @@ from kernels.cpu.ggml_a8 import ggml_a8_applies, ggml_mul_mat_a8, pack_q4_1
 Q4_1_BLOCK_WEIGHTS, Q4_1_BLOCK_BYTES = 32, 20
 
 
+def gguf_a8_applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """Where `quantization="gguf"` runs llama.cpp's arithmetic (`ggml_mul_mat_a8`): bf16 activations on CPU with
+    the C kernels. fp32 keeps the exact-weight reference path."""
+    return dtype == torch.bfloat16 and ggml_a8_applies(device, dtype)
+
+
 # seam: lab 13 (grader/seams.py)
 def dequantize_q4_1(raw: torch.Tensor) -> torch.Tensor:
     """uint8 `[num_blocks * 20]` (or `[num_blocks, 20]`) -> fp32 `[num_blocks * 32]`, in the file's order."""
@@ -74,7 +80,7 @@ class Q4_1LinearMethod(LinearMethodBase):
         layer.dtype, layer.w4a16_kernel = self.dtype, w4a16_kernel_applies(q.device, self.dtype, 4, Q4_1_BLOCK_WEIGHTS)
         if layer.w4a16_kernel:
             layer.qweight, layer.d, layer.m = pack_along_k(q, 4), d.half(), m.half()  # exact: fp16 in the file
-        elif self.dtype == torch.bfloat16 and ggml_a8_applies(q.device, self.dtype):
+        elif gguf_a8_applies(q.device, self.dtype):
             layer.ggml = pack_q4_1(q, d.t().half(), m.t().half())
         elif int4pack_applies(q.device, self.dtype, 4, self.n):
             layer.weight_int4pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from engine_core.models.quantization.base import LinearMethodBase, add_bias_residual
-from kernels.cpu.ggml_a8 import ggml_a8_applies, ggml_mul_mat_a8, pack_q8_0
+from engine_core.models.quantization.gguf_q4_1 import gguf_a8_applies
+from kernels.cpu.ggml_a8 import ggml_mul_mat_a8, pack_q8_0
 
 Q8_0_BLOCK_WEIGHTS, Q8_0_BLOCK_BYTES = 32, 34
 
@@ -29,16 +30,11 @@ def q8_0_parts(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.T
     return q, d.contiguous()
 
 
-def q8_0_head_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    """Where the LM head is served from the file's Q8_0 blocks: bf16 activations on CPU with the C kernels."""
-    return dtype == torch.bfloat16 and ggml_a8_applies(device, dtype)
-
-
 class Q8_0LinearMethod(LinearMethodBase):
-    """A GGUF Q8_0 matrix `[n, k]` as a Linear through `ggml_mul_mat_a8` (where `q8_0_head_applies`)."""
+    """A GGUF Q8_0 matrix `[n, k]` as a Linear through `ggml_mul_mat_a8` (where `gguf_a8_applies`)."""
 
     def __init__(self, raw: torch.Tensor, n: int, k: int, dtype: torch.dtype) -> None:
-        if not q8_0_head_applies(raw.device, dtype):
+        if not gguf_a8_applies(raw.device, dtype):
             raise ValueError(f"Q8_0LinearMethod serves bf16 activations on CPU with the C kernels, got {dtype} on "
                              f"{raw.device}")
         self.parts, self.n, self.k = q8_0_parts(raw, n, k), n, k

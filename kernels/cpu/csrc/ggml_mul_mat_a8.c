@@ -170,21 +170,23 @@ static void compute_tile(const uint8_t *w, const uint16_t *dw, const uint16_t *m
 int ggml_mul_mat_a8(void *out, const void *x, const uint8_t *w, const uint16_t *dw, const uint16_t *mw, int64_t m,
                     int64_t n, int64_t k, int64_t x_stride, int64_t bits, int64_t bf16) {
     const int64_t nb = k / QK, tiles = (n + TILE - 1) / TILE, tile_bytes = nb * (bits == 4 ? 256 : 512);
-    float *rows = malloc(sizeof(float) * (size_t)(m * k)), *dx = malloc(sizeof(float) * (size_t)(m * nb)),
+    /* bf16 rows are widened to fp32 first; fp32 rows are quantized where they are */
+    float *rows = bf16 ? malloc(sizeof(float) * (size_t)(m * k)) : NULL, *dx = malloc(sizeof(float) * (size_t)(m * nb)),
           *sx = malloc(sizeof(float) * (size_t)(m * nb));
     int8_t *xq = malloc((size_t)(m * k));
-    if (!rows || !dx || !sx || !xq) {
+    if ((bf16 && !rows) || !dx || !sx || !xq) {
         free(rows), free(dx), free(sx), free(xq);
         return 5;
     }
 #pragma omp parallel for schedule(static) if (m >= 8)
     for (int64_t t = 0; t < m; t++) {
-        float *xt = rows + t * k;
+        const float *xt;
         if (bf16) {
             const bf16_t *src = (const bf16_t *)x + t * x_stride;
-            for (int64_t j = 0; j < k; j++) xt[j] = bf16_to_f32(src[j]);
+            for (int64_t j = 0; j < k; j++) rows[t * k + j] = bf16_to_f32(src[j]);
+            xt = rows + t * k;
         } else {
-            memcpy(xt, (const float *)x + t * x_stride, sizeof(float) * (size_t)k);
+            xt = (const float *)x + t * x_stride;
         }
         quantize_row_q8_1(xt, k, xq + t * k, dx + t * nb, sx + t * nb);
     }
