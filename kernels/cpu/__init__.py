@@ -5,8 +5,8 @@ model's fused elementwise ops (RMSNorm, SiLU-and-mul, RoPE in place; vLLM's name
 The attention ops keep `kernels.reference`'s contracts (and are tested against it). They cover
 fp32 and bf16 caches (bf16: widened to fp32 as read, fp32 softmax and accumulation, the output
 rounded once); any other case (fp8 or fp16 caches, mixed dtypes) runs the reference op, so every
-call here is valid. Prefill attention is the reference op: per sequence it gathers a few blocks for
-many query rows, where the copy is small next to the attention math. The elementwise ops take fp32
+call here is valid. Prefill attention reads the blocks in place too, 8 query rows of a head per work item
+(csrc/paged_attention.c). The elementwise ops take fp32
 or bf16 (bf16 rounded at every step where the model's PyTorch formula rounds) and are tested against
 those formulas.
 
@@ -30,12 +30,12 @@ __all__ = ["DecodeAttentionBlock", "load", "load_error", "paged_attention", "pag
            "reshape_and_cache", "rms_norm", "rotary_embedding", "silu_and_mul"]
 
 _ERRORS = {1: "a block table entry that a sequence uses is outside the cache", 2: "a slot is past the cache's end",
-           3: "a sequence needs more blocks than its block table row has", 4: "a position is outside the RoPE tables"}
+           3: "a sequence needs more blocks than its block table row has", 4: "a position is outside the RoPE tables",
+           5: "a sequence has more query rows (query_start_loc) than tokens (seq_lens)", 6: "out of memory"}
 _lib: ctypes.CDLL | None = None
 _load_error: str | None = None
 
 _ITEMS_PER_THREAD = 4  # decode work items per thread, at least, for the dynamic schedule to balance
-paged_attention = reference.paged_attention
 
 
 def load() -> ctypes.CDLL | None:
@@ -65,6 +65,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     for t in ("f32", "bf16"):
         getattr(lib, f"paged_attention_decode_{t}").argtypes = [ptr] * 6 + [i64] * 11 + [ctypes.c_float]
         getattr(lib, f"paged_attention_decode_{t}").restype = ctypes.c_int
+        getattr(lib, f"paged_attention_{t}").argtypes = [ptr] * 7 + [i64] * 10 + [ctypes.c_float]
+        getattr(lib, f"paged_attention_{t}").restype = ctypes.c_int
         getattr(lib, f"rms_norm_{t}").argtypes = [ptr] * 3 + [i64] * 3 + [ctypes.c_float]
         getattr(lib, f"silu_and_mul_{t}").argtypes = [ptr] * 2 + [i64] * 3
         getattr(lib, f"rotary_embedding_{t}").argtypes = [ptr] * 4 + [i64] * 5
@@ -138,6 +140,44 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
             out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
             lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, query.stride(0),
             query.stride(1), tables.stride(0), tables.shape[1], head_splits, scale)
+    _check(status)
+    return out
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    scale: float, k_scale: float | torch.Tensor = 1.0,
+                    v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """`reference.paged_attention` (varlen causal attention over paged KV), fp32 or bf16 caches (the query of
+    the same dtype) with head_dim a multiple of 8 in C."""
+    lib = load()
+    if (lib is None or not _fast_cpu(query, key_cache, value_cache) or not key_cache.is_contiguous()
+            or not value_cache.is_contiguous() or query.stride(-1) != 1 or query.shape[-1] % 8):
+        return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                         scale, k_scale, v_scale)
+    num_tokens, num_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if cache_head_dim != head_dim or value_cache.shape != key_cache.shape or num_heads % num_kv_heads:
+        raise ValueError(f"query {tuple(query.shape)} and caches {tuple(key_cache.shape)} / "
+                         f"{tuple(value_cache.shape)} disagree")
+    num_seqs = seq_lens.shape[0]
+    if (block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or seq_lens.dim() != 1
+            or query_start_loc.shape != (num_seqs + 1,)):
+        raise ValueError(f"block_tables must be [{num_seqs}, max_blocks] and query_start_loc [{num_seqs + 1}], got "
+                         f"{tuple(block_tables.shape)} and {tuple(query_start_loc.shape)}")
+    starts = query_start_loc.to(torch.int32).contiguous()
+    if num_seqs and (int(starts[0]) != 0 or int(starts[-1]) != num_tokens or bool((starts.diff() < 0).any())):
+        raise ValueError(f"query_start_loc must rise from 0 to the query's {num_tokens} rows, got {starts.tolist()}")
+    tables = block_tables.to(torch.int32)
+    if tables.stride(-1) != 1:
+        tables = tables.contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    with _profiled("kernels.cpu.paged_attention"):
+        status = _typed(lib.paged_attention_f32, lib.paged_attention_bf16, query)(
+            out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
+            lens.data_ptr(), starts.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
+            query.stride(0), query.stride(1), tables.stride(0), tables.shape[1], scale)
     _check(status)
     return out
 

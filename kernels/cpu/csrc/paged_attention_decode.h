@@ -32,7 +32,7 @@ static inline __attribute__((always_inline)) int FN(attend_heads)(
         const int64_t next_base = next >= 0 && next < num_blocks ? next * block_size * token_stride + h0 * head_dim : -1;
         for (int64_t t = 0; t < n; t++) {
             if (next_base >= 0)
-                for (int64_t x = 0; x < nh * head_dim; x += 16) {
+                for (int64_t x = 0; x < nh * head_dim; x += 64 / (int64_t)sizeof(T)) {
                     __builtin_prefetch(key_cache + next_base + t * token_stride + x);
                     __builtin_prefetch(value_cache + next_base + t * token_stride + x);
                 }
@@ -69,15 +69,35 @@ static inline __attribute__((always_inline)) int FN(attend_heads)(
             m[i] = m_new;
             for (int64_t j = 0; j < nv; j++) acc[i][j] *= alpha;
         }
+        /* acc_i += P[i] V, tokens in the outer loop: head_dim / 8 independent FMA chains per query head
+         * (a chain per chunk down the tokens waits on each FMA's latency), each V row loaded (widened) once
+         * for two query heads of its group. Accumulators: 2 * nv vectors, in registers up to head_dim 64. */
         for (int64_t h = 0; h < nh; h++) {
             const T *v = value_cache + base + h * head_dim;
-            for (int64_t g = 0; g < group; g++) {
+            int64_t g = 0;
+            for (; g + 1 < group && nv <= 8; g += 2) {
                 const int64_t i = h * group + g;
-                for (int64_t j = 0; j < nv; j++) {
-                    v8 a = acc[i][j];
-                    for (int64_t t = 0; t < n; t++) a += p[i][t] * LOAD8(v + t * token_stride + 8 * j);
-                    acc[i][j] = a;
+                v8 a0[nv], a1[nv];
+                for (int64_t j = 0; j < nv; j++) a0[j] = acc[i][j], a1[j] = acc[i + 1][j];
+                for (int64_t t = 0; t < n; t++) {
+                    const float p0 = p[i][t], p1 = p[i + 1][t];
+                    for (int64_t j = 0; j < nv; j++) {
+                        const v8 x = LOAD8(v + t * token_stride + 8 * j);
+                        a0[j] += p0 * x;
+                        a1[j] += p1 * x;
+                    }
                 }
+                for (int64_t j = 0; j < nv; j++) acc[i][j] = a0[j], acc[i + 1][j] = a1[j];
+            }
+            for (; g < group; g++) {
+                const int64_t i = h * group + g;
+                v8 a[nv];
+                for (int64_t j = 0; j < nv; j++) a[j] = acc[i][j];
+                for (int64_t t = 0; t < n; t++) {
+                    const float pt = p[i][t];
+                    for (int64_t j = 0; j < nv; j++) a[j] += pt * LOAD8(v + t * token_stride + 8 * j);
+                }
+                for (int64_t j = 0; j < nv; j++) acc[i][j] = a[j];
             }
         }
     }
