@@ -19,7 +19,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-serve-vllm bench-vllm-real bench-steps bench-threads bench-llamacpp bench-kernels bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm bench-act-order quant-step gpu-check labs grade clean
+.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-serve-vllm bench-vllm-real bench-steps bench-threads bench-llamacpp bench-kernels bench-cpu-attention bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm bench-act-order quant-step gpu-check labs grade clean
 
 venv: $(STAMP)
 
@@ -162,6 +162,11 @@ bench-serve-vllm: venv $(VLLM_STAMP)
 	timeout --foreground --signal=TERM --kill-after=60 700 $(PY) -m benchmarks.serve_vs_vllm \
 		--vllm-python $(VLLM_VENV)/bin/python --model small-llama --dtype float32 \
 		--plot docs/images/serve_vs_vllm.png $(BENCH_ARGS)
+
+# the C attention kernels (decode and prefill) against the reference ops at make bench's and SmolLM2's shapes,
+# fp32 and bf16, alternating calls, medians (docs/benchmarks.md). ~2 min quiet.
+bench-cpu-attention: venv
+	timeout 600 $(PY) -m benchmarks.cpu_attention $(BENCH_ARGS)
 
 bench-kernels: venv
 	$(PY) -m benchmarks.kernels

@@ -1,4 +1,4 @@
-"""C kernels for CPU tensors: paged decode attention read in place, the KV cache write, and the
+"""C kernels for CPU tensors: paged decode and prefill attention read in place, the KV cache write, and the
 model's fused elementwise ops (RMSNorm, SiLU-and-mul, RoPE in place; vLLM's names), and
 `DecodeAttentionBlock`: a decode-only step's RoPE, cache write and decode attention in one call per layer.
 

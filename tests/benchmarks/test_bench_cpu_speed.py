@@ -122,3 +122,17 @@ def test_llamacpp_driver_protocol_with_a_stand_in_llama_cpp(tmp_path) -> None:
     # without extra buffer types (the fallback after a crash in llama.cpp's AMX path) Llama sees the flag off
     with pytest.raises(RuntimeError, match="exited with status 7"):
         VllmProcess(sys.executable, dict(spec, extra_buffer_types=False), env, driver=DRIVER)
+
+
+def test_cpu_attention_bench_prints_both_ops_and_refuses_a_wrong_kernel(monkeypatch, capsys) -> None:
+    from benchmarks import cpu_attention
+    from kernels import cpu
+    monkeypatch.setattr(cpu_attention, "DECODE", ((3, 40),))
+    monkeypatch.setattr(cpu_attention, "PREFILL", ((2, 20),))
+    monkeypatch.setattr(cpu_attention, "CACHE_MB", 1)
+    cpu_attention.main(["--repeats", "1", "--shapes", "smollm2", "--threads", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| decode", "| prefill"))]
+    assert len(rows) == 4 and "| decode | smollm2 | bfloat16 | 3 x 40 |" in "\n".join(rows)
+    monkeypatch.setattr(cpu, "paged_attention", lambda q, *a: q.clone())  # a kernel that returns its query
+    with pytest.raises(AssertionError, match="prefill: the C kernel is"):
+        cpu_attention.main(["--repeats", "1", "--shapes", "smollm2", "--threads", "1"])
