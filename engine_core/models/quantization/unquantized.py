@@ -64,11 +64,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
 def _packed_weight(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     w = layer.weight
-    if not (x.dtype == w.dtype and x.device.type == w.device.type == "cpu" and x.dim() == 2 and x.shape[0] > 0):
+    if not (x.dtype == w.dtype and x.is_cpu and w.is_cpu and x.dim() == 2 and x.shape[0] > 0):
         return None
+    if layer._packed is not None and layer._packed_version == w._version and torch.backends.mkldnn.enabled:
+        return layer._packed  # the per-step path (~200 calls a step): nothing more to check
     if not (onednn_available() if x.dtype == torch.float32 else x.dtype == torch.bfloat16 and onednn_bf16_available()):
         return None
-    if layer._packed is None or layer._packed_version != w._version:
-        layer._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
-        layer._packed_version = w._version
+    layer._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
+    layer._packed_version = w._version
     return layer._packed
