@@ -8,7 +8,8 @@
 cache larger than the last-level cache (a decode step's K/V come from memory, as in the engine, where each
 layer's are read once a step). The two sides alternate call by call; medians. Decode reports K/V bytes read
 per second; prefill the (query row, key) pairs per second. Each C result is checked against the reference
-first (a wrong kernel is not timed).
+first (a wrong kernel is not timed). Each row prints the CPU time other processes took while it ran (/proc/stat
+busy time minus this process's): quiet under a tenth of its wall time, loaded otherwise.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from benchmarks.quant_gemm import busy_seconds
 from kernels import cpu, reference
 
 SHAPES = {"small-llama": (8, 4, 64), "smollm2": (9, 3, 64)}  # query heads, KV heads, head_dim
@@ -97,20 +99,21 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(0)
     print(f"threads {torch.get_num_threads()}, block size {BLOCK_SIZE}, caches of {CACHE_MB} MB, {a.repeats} "
           "alternating calls per side, medians")
-    print("| op | model shape | dtype | batch | C ms | reference ms | C / reference | C rate |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| op | model shape | dtype | batch | C ms | reference ms | C / reference | C rate | other processes |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in a.shapes.split(","):
         heads, kv_heads, head_dim = SHAPES[name]
         for dtype in (torch.float32, torch.bfloat16):
             dt = str(dtype).removeprefix("torch.")
-            for seqs, context in DECODE:
-                c, r, rate = bench_decode(gen, dtype, heads, kv_heads, head_dim, seqs, context, a.repeats)
-                print(f"| decode | {name} | {dt} | {seqs} x {context} | {c:.3f} | {r:.3f} | {r / c:.2f}x faster | "
-                      f"{rate:.1f} GB/s of K/V |")
-            for seqs, prompt in PREFILL:
-                c, r, rate = bench_prefill(gen, dtype, heads, kv_heads, head_dim, seqs, prompt, a.repeats)
-                print(f"| prefill | {name} | {dt} | {seqs} x {prompt} | {c:.3f} | {r:.3f} | {r / c:.2f}x faster | "
-                      f"{rate:.0f} M pairs/s |")
+            cases = [("decode", bench_decode, seqs, n, "GB/s of K/V", 1) for seqs, n in DECODE]
+            cases += [("prefill", bench_prefill, seqs, n, "M pairs/s", 0) for seqs, n in PREFILL]
+            for op, bench, seqs, n, unit, digits in cases:
+                wall, (busy0, own0) = time.perf_counter(), busy_seconds()
+                c, r, rate = bench(gen, dtype, heads, kv_heads, head_dim, seqs, n, a.repeats)
+                busy1, own1 = busy_seconds()
+                others, wall = (busy1 - busy0) - (own1 - own0), time.perf_counter() - wall
+                print(f"| {op} | {name} | {dt} | {seqs} x {n} | {c:.3f} | {r:.3f} | {r / c:.2f}x faster | "
+                      f"{rate:.{digits}f} {unit} | {others:.1f} CPU s: {'quiet' if others < 0.1 * wall else 'loaded'} |")
 
 
 if __name__ == "__main__":

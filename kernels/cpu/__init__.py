@@ -31,7 +31,7 @@ __all__ = ["DecodeAttentionBlock", "load", "load_error", "paged_attention", "pag
 
 _ERRORS = {1: "a block table entry that a sequence uses is outside the cache", 2: "a slot is past the cache's end",
            3: "a sequence needs more blocks than its block table row has", 4: "a position is outside the RoPE tables",
-           5: "a sequence has more query rows (query_start_loc) than tokens (seq_lens)", 6: "out of memory"}
+           5: "a sequence's query rows (query_start_loc) fall or outnumber its tokens (seq_lens)", 6: "out of memory"}
 _lib: ctypes.CDLL | None = None
 _load_error: str | None = None
 
@@ -105,6 +105,26 @@ def _fast_cpu(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _attention_in_c(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """The cases the C attention kernels take: fp32 or bf16 caches and query on CPU, contiguous caches, head_dim
+    a multiple of 8 and contiguous in the query."""
+    return (_fast_cpu(query, key_cache, value_cache) and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and query.stride(-1) == 1 and query.shape[-1] % 8 == 0)
+
+
+def _check_caches(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    num_heads, head_dim = query.shape[1:]
+    if key_cache.shape[3] != head_dim or value_cache.shape != key_cache.shape or num_heads % key_cache.shape[2]:
+        raise ValueError(f"query {tuple(query.shape)} and caches {tuple(key_cache.shape)} / "
+                         f"{tuple(value_cache.shape)} disagree")
+
+
+def _int32_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block tables (rows contiguous) and sequence lengths as the C kernels read them."""
+    tables = block_tables.to(torch.int32)
+    return tables if tables.stride(-1) == 1 else tables.contiguous(), seq_lens.to(torch.int32).contiguous()
+
+
 def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0,
@@ -113,24 +133,18 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
     multiple of 8 in C. `num_splits` only names a GPU work split: it is checked, then ignored (the result does
     not depend on it)."""
     lib = load()
-    if (lib is None or not _fast_cpu(query, key_cache, value_cache) or not key_cache.is_contiguous()
-            or not value_cache.is_contiguous() or query.stride(-1) != 1 or query.shape[-1] % 8):
+    if lib is None or not _attention_in_c(query, key_cache, value_cache):
         return reference.paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, scale,
                                                 k_scale, v_scale, num_splits)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    _check_caches(query, key_cache, value_cache)
     num_seqs, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    if cache_head_dim != head_dim or value_cache.shape != key_cache.shape or num_heads % num_kv_heads:
-        raise ValueError(f"query {tuple(query.shape)} and caches {tuple(key_cache.shape)} / "
-                         f"{tuple(value_cache.shape)} disagree")
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
         raise ValueError(f"block_tables must be [{num_seqs}, max_blocks] and seq_lens [{num_seqs}], got "
                          f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
-    tables = block_tables.to(torch.int32)
-    if tables.stride(-1) != 1:
-        tables = tables.contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
+    tables, lens = _int32_tables(block_tables, seq_lens)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     # Whole sequences are the best work items (their blocks stream contiguously); cut each one's
     # KV heads into runs only when there are too few sequences to keep every thread busy.
@@ -151,27 +165,21 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """`reference.paged_attention` (varlen causal attention over paged KV), fp32 or bf16 caches (the query of
     the same dtype) with head_dim a multiple of 8 in C."""
     lib = load()
-    if (lib is None or not _fast_cpu(query, key_cache, value_cache) or not key_cache.is_contiguous()
-            or not value_cache.is_contiguous() or query.stride(-1) != 1 or query.shape[-1] % 8):
+    if lib is None or not _attention_in_c(query, key_cache, value_cache):
         return reference.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                          scale, k_scale, v_scale)
+    _check_caches(query, key_cache, value_cache)
     num_tokens, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    if cache_head_dim != head_dim or value_cache.shape != key_cache.shape or num_heads % num_kv_heads:
-        raise ValueError(f"query {tuple(query.shape)} and caches {tuple(key_cache.shape)} / "
-                         f"{tuple(value_cache.shape)} disagree")
+    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = seq_lens.shape[0]
     if (block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or seq_lens.dim() != 1
             or query_start_loc.shape != (num_seqs + 1,)):
         raise ValueError(f"block_tables must be [{num_seqs}, max_blocks] and query_start_loc [{num_seqs + 1}], got "
                          f"{tuple(block_tables.shape)} and {tuple(query_start_loc.shape)}")
     starts = query_start_loc.to(torch.int32).contiguous()
-    if num_seqs and (int(starts[0]) != 0 or int(starts[-1]) != num_tokens or bool((starts.diff() < 0).any())):
+    if num_seqs and (int(starts[0]) != 0 or int(starts[-1]) != num_tokens):  # the C code checks each step between
         raise ValueError(f"query_start_loc must rise from 0 to the query's {num_tokens} rows, got {starts.tolist()}")
-    tables = block_tables.to(torch.int32)
-    if tables.stride(-1) != 1:
-        tables = tables.contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
+    tables, lens = _int32_tables(block_tables, seq_lens)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     with _profiled("kernels.cpu.paged_attention"):
         status = _typed(lib.paged_attention_f32, lib.paged_attention_bf16, query)(
@@ -290,10 +298,7 @@ class DecodeAttentionBlock:
         self.dtype, self.cos, self.sin = cos.dtype, cos, sin
         self.positions = positions.to(torch.int64).contiguous()
         self.slots = slot_mapping.to(torch.int64).contiguous()
-        self.tables = block_tables.to(torch.int32)
-        if self.tables.stride(-1) != 1:
-            self.tables = self.tables.contiguous()
-        self.lens = seq_lens.to(torch.int32).contiguous()
+        self.tables, self.lens = _int32_tables(block_tables, seq_lens)
         self.num_heads, self.num_kv_heads, self.head_dim, self.tokens = num_heads, num_kv_heads, head_dim, tokens
         self.width = (num_heads + 2 * num_kv_heads) * head_dim
         head_splits = min(num_kv_heads, -(-_ITEMS_PER_THREAD * torch.get_num_threads() // tokens))

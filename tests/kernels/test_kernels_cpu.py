@@ -89,15 +89,18 @@ def test_cache_write_in_bf16_is_a_copy() -> None:
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("op", ["paged_attention_decode", "paged_attention"])  # decode, and prefill (2 + 5 rows)
 @pytest.mark.parametrize("case", ["float16", "fp8", "head_dim 12"])
-def test_uncovered_cases_run_the_reference(case: str) -> None:
+def test_uncovered_cases_run_the_reference(case: str, op: str) -> None:
     gen = torch.Generator().manual_seed(0)
     head_dim = 12 if case == "head_dim 12" else 16
     dtype = torch.float16 if case == "float16" else torch.float32
     kv = make_paged_kv(gen, [3, 20], 2, head_dim, 8, dtype, CPU, fp8=case == "fp8")
-    query = torch.randn(2, 4, head_dim, generator=gen).to(dtype)
-    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.3, kv.k_scale, kv.v_scale)
-    assert torch.equal(cpu.paged_attention_decode(*args), reference.paged_attention_decode(*args))
+    prefill = op == "paged_attention"
+    query = torch.randn(7 if prefill else 2, 4, head_dim, generator=gen).to(dtype)
+    rows = (torch.tensor([0, 2, 7]),) if prefill else ()
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, *rows, 0.3, kv.k_scale, kv.v_scale)
+    assert torch.equal(getattr(cpu, op)(*args), getattr(reference, op)(*args))
 
 
 def test_decode_rejects_a_block_outside_the_cache() -> None:

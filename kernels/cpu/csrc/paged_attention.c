@@ -12,8 +12,8 @@
  *
  * bf16: every K/V row is widened to fp32 as it is loaded and the output rounded once to bf16, as the
  * reference (which gathers, attends in fp32 and casts) does. Returns 0, KERNELS_CPU_BAD_BLOCK,
- * KERNELS_CPU_SHORT_TABLE, KERNELS_CPU_BAD_QUERY_LEN (a sequence with more query rows than tokens, found
- * before anything is read) or KERNELS_CPU_NO_MEMORY.
+ * KERNELS_CPU_SHORT_TABLE, KERNELS_CPU_BAD_QUERY_LEN (a sequence with fewer than 0 or more query rows than
+ * tokens, found before anything is read) or KERNELS_CPU_NO_MEMORY.
  */
 #include <math.h>
 #include <stdint.h>

@@ -10,13 +10,13 @@
  * Per block: scores S[i][t] = q_i . k_t * scale (one 8-wide FMA chain per (token, query head));
  * P = exp(S - m_new), 8 at a time (exp8 in vec8.h); then acc_i += P[i] V a V row at a time, acc_i's
  * head_dim / 8 chunks in registers (independent FMA chains; one chain per chunk down the block's rows
- * was bound by FMA latency: 14-23% slower at the workload's decode shapes, docs/benchmarks.md). head_dim is
+ * was bound by FMA latency: 12-28% slower at the workload's decode shapes, docs/benchmarks.md). head_dim is
  * a multiple of 8 (the caller checks), specialised at compile time for 16, 32, 64 and 128 so the
  * loops over it unroll. The next block's rows are prefetched while a block computes.
  *
  * bf16 (query, caches and output all bf16): each K/V row is widened to fp32 as it is loaded (K once
- * per row for its whole GQA group, V once per two of its query heads), and every score, probability, sum and accumulator is fp32 as in the
- * fp32 kernel; only the output is rounded to bf16, as the reference does (it gathers the blocks, attends
+ * per row for its whole GQA group, V once per two of its query heads), and every score, probability,
+ * sum and accumulator is fp32 as in the fp32 kernel; only the output is rounded to bf16, as the reference does (it gathers the blocks, attends
  * in fp32 and casts the result). A bf16 cache halves the bytes a step streams. The body is a textual
  * template (paged_attention_decode.h) instantiated once per type.
  *
