@@ -19,7 +19,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-serve-vllm bench-vllm-real bench-steps bench-threads bench-llamacpp bench-kernels bench-cpu-attention bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm bench-act-order quant-step gpu-check labs grade clean
+.PHONY: venv lab instructor test fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-serve-vllm bench-vllm-real bench-steps bench-threads bench-llamacpp bench-kernels bench-cpu-attention bench-skinny-gemm bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm bench-act-order quant-step gpu-check labs grade clean
 
 venv: $(STAMP)
 
@@ -167,6 +167,11 @@ bench-serve-vllm: venv $(VLLM_STAMP)
 # fp32 and bf16, alternating calls, medians (docs/benchmarks.md). ~2 min quiet.
 bench-cpu-attention: venv
 	timeout 600 $(PY) -m benchmarks.cpu_attention $(BENCH_ARGS)
+
+# the skinny GEMM (kernels/cpu/skinny_gemm.py) vs oneDNN's packed inner product on SmolLM2's linears at 1-8 rows,
+# fp32 and bf16, alternating passes, medians (docs/benchmarks.md; where SKINNY_MAX_ROWS comes from). ~2 min quiet.
+bench-skinny-gemm: venv
+	timeout 600 $(PY) -m benchmarks.skinny_gemm $(BENCH_ARGS)
 
 bench-kernels: venv
 	$(PY) -m benchmarks.kernels

@@ -76,6 +76,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         getattr(lib, f"decode_attention_block_{t}").restype = ctypes.c_int
     lib.reshape_and_cache.restype = ctypes.c_int
     lib.ggml_mul_mat_a8.argtypes = [ptr] * 5 + [i64] * 6
+    for t in ("f32", "bf16"):
+        getattr(lib, f"skinny_gemm_{t}").argtypes = [ptr] * 5 + [i64] * 5
+        getattr(lib, f"skinny_gemm_{t}").restype = None
     lib.ggml_mul_mat_a8.restype = ctypes.c_int
 
 

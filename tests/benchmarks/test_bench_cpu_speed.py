@@ -136,3 +136,14 @@ def test_cpu_attention_bench_prints_both_ops_and_refuses_a_wrong_kernel(monkeypa
     monkeypatch.setattr(cpu, "paged_attention", lambda q, *a: q.clone())  # a kernel that returns its query
     with pytest.raises(AssertionError, match="prefill: the C kernel is"):
         cpu_attention.main(["--repeats", "1", "--shapes", "smollm2", "--threads", "1"])
+
+
+def test_skinny_gemm_bench_prints_every_row_count_and_refuses_a_wrong_kernel(monkeypatch, capsys) -> None:
+    from benchmarks import skinny_gemm as bench
+    monkeypatch.setattr(bench, "LM_HEAD", (64, 576))
+    bench.main(["--repeats", "1", "--rows", "1,3", "--layers", "1", "--threads", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| float32", "| bfloat16"))]
+    assert sum(line.startswith("| float32 |") for line in rows) == 2 and "| float32 | 3 |" in "\n".join(rows)
+    monkeypatch.setattr(bench, "skinny_gemm", lambda x, w: x @ w[:, :x.shape[1]].T * 2)  # twice the product
+    with pytest.raises(AssertionError, match="skinny_gemm is"):
+        bench.main(["--repeats", "1", "--rows", "1", "--layers", "1", "--threads", "1"])

@@ -1,4 +1,5 @@
-"""The dense `Linear`'s CPU fast path (oneDNN with a prepacked weight) at fp32 and bf16, against float64.
+"""The dense `Linear`'s CPU fast paths at fp32 and bf16, against float64: oneDNN with a prepacked weight, and
+for a few rows (up to `SKINNY_MAX_ROWS`) `kernels.cpu.skinny_gemm` on the unpacked weight.
 
 bf16 takes the packed path only where oneDNN runs bf16 natively (AVX512-BF16, AMX); elsewhere these tests
 check `F.linear`, the fallback. Tolerance: the product is accumulated in fp32 (gamma_K ~ K u32 of
@@ -11,6 +12,7 @@ from torch import nn
 
 from engine_core.models.linear import Linear
 from engine_core.models.quantization.unquantized import onednn_bf16_available
+from kernels.cpu.skinny_gemm import SKINNY_MAX_ROWS
 
 U32, U_BF16 = 2.0 ** -24, 2.0 ** -8
 
@@ -39,12 +41,13 @@ def test_linear_matches_float64(dtype: torch.dtype, rows: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_residual(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("rows", [2, 8])
+def test_residual(dtype: torch.dtype, rows: int) -> None:
     """bf16 adds the residual after the GEMM's rounding (Hugging Face's two roundings): exactly residual + y.
     fp32 fuses it into the GEMM (one rounding of y + residual instead of two): within u32 of that sum."""
     gen = torch.Generator().manual_seed(1)
     lin = _layer(64, 96, dtype, False, gen)
-    x, residual = torch.randn(3, 96, generator=gen).to(dtype), torch.randn(3, 64, generator=gen).to(dtype)
+    x, residual = torch.randn(rows, 96, generator=gen).to(dtype), torch.randn(rows, 64, generator=gen).to(dtype)
     fused, plain = lin(x, residual), residual + lin(x)
     if dtype == torch.bfloat16:
         assert torch.equal(fused, plain)
@@ -54,15 +57,30 @@ def test_residual(dtype: torch.dtype) -> None:
 
 def test_bf16_takes_the_packed_path_where_onednn_has_bf16() -> None:
     lin = _layer(32, 64, torch.bfloat16, False, torch.Generator().manual_seed(0))
-    lin(torch.randn(2, 64).bfloat16())
+    lin(torch.randn(SKINNY_MAX_ROWS[torch.bfloat16] + 1, 64).bfloat16())
     assert (lin._packed is not None) == onednn_bf16_available()
 
 
-def test_a_weight_changed_in_place_is_repacked() -> None:
-    """A merged LoRA adapter changes the weight in place: the packed copy must follow (Tensor._version).
-    Doubling the weight doubles every product and sum exactly, so the output doubles exactly."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_rows_read_the_unpacked_weight(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to SKINNY_MAX_ROWS rows go to the skinny kernel (no packed copy is made); one row more to oneDNN."""
+    import engine_core.models.quantization.unquantized as unquantized
+    calls = []
+    monkeypatch.setattr(unquantized, "skinny_gemm", lambda *a, **kw: calls.append(a[0].shape[0]) or a[0] @ a[1].T)
+    lin = _layer(32, 64, dtype, False, torch.Generator().manual_seed(0))
+    lin(torch.randn(SKINNY_MAX_ROWS[dtype], 64).to(dtype))
+    assert calls == [SKINNY_MAX_ROWS[dtype]] and lin._packed is None
+    lin(torch.randn(SKINNY_MAX_ROWS[dtype] + 1, 64).to(dtype))
+    assert calls == [SKINNY_MAX_ROWS[dtype]]
+
+
+@pytest.mark.parametrize("rows", [2, 8])
+def test_a_weight_changed_in_place_is_repacked(rows: int) -> None:
+    """A merged LoRA adapter changes the weight in place: the packed copy must follow (Tensor._version), and the
+    skinny path reads the weight itself. Doubling the weight doubles every product and sum exactly, so the
+    output doubles exactly."""
     lin = _layer(32, 64, torch.bfloat16, False, torch.Generator().manual_seed(0))
-    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
     before = lin(x)
     lin.weight.mul_(2)
     assert torch.equal(lin(x), 2 * before)

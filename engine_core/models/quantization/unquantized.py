@@ -14,6 +14,11 @@ added after the GEMM in bf16 (two roundings, Hugging Face's order), not fused in
 rounds once and would move the engine's bf16 logits off Hugging Face's. At batch-1 decode the packed
 bf16 weights read half the bytes of fp32 ones, and oneDNN's bf16 inner product was 1.3-1.7x faster than
 `F.linear` in bf16 on the benchmark machine (docs/benchmarks.md).
+
+At one to a few rows (a small-batch decode step) a linear is a read of its weight, and oneDNN's inner product
+streamed it at half the memory's rate and cost 16-21 us a call: up to `SKINNY_MAX_ROWS` rows go to
+`kernels.cpu.skinny_gemm` on the unpacked weight instead (no packed copy is made for a layer only such steps
+use), with the same rounding and residual order as the packed path of the same dtype.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_core.models.quantization.base import LinearMethodBase
+from kernels.cpu.skinny_gemm import skinny_gemm, skinny_gemm_applies
 
 PACK_BATCH_HINT = 64  # the row count oneDNN picks its weight layout for: a full decode step
 
@@ -49,6 +55,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer._packed, layer._packed_version = None, -1
 
     def apply(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if skinny_gemm_applies(x, layer.weight, layer.bias, residual):  # a few rows: stream the unpacked weight
+            return skinny_gemm(x, layer.weight, layer.bias, residual, check=False)
         packed = _packed_weight(layer, x)
         if packed is None:
             y = F.linear(x, layer.weight, layer.bias)
