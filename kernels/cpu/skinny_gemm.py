@@ -1,9 +1,9 @@
 """x @ w.T (+ bias) (+ residual) for the few rows of a small-batch decode step, w unpacked (csrc/skinny_gemm.c).
 
 At one to a few rows a linear is a read of its weight, and the kernel streams it: each thread one contiguous
-run of w's rows, read in order, all of x's rows against each weight row at once. On the benchmark machine
-(2-vCPU AMD EPYC Zen 4) it read SmolLM2's weights faster than oneDNN's inner product on a packed
-weight at 1-2 rows (1.45-1.9x), 1.1-1.2x at 3 (docs/benchmarks.md), so `UnquantizedLinearMethod` sends up to
+run of w's rows, read in order, all of x's rows against each weight row at once. It read SmolLM2's weights
+faster than oneDNN's inner product on a packed weight at 1-2 rows: 1.45-1.9x on a 2-vCPU AMD EPYC Zen 4,
+1.1-1.17x on an Intel Xeon with AMX (docs/benchmarks.md), so `UnquantizedLinearMethod` sends up to
 `SKINNY_MAX_ROWS` rows here. fp32 accumulation; bf16 products on AVX512-BF16 where the CPU has it, 8-float
 vectors otherwise. Contract: `F.linear(x, w, bias)`, then `residual + y` in x's dtype (fp32: added before
 the one rounding, as oneDNN's fused add; bf16: rounded, added, rounded again, as PyTorch's two ops).
@@ -18,9 +18,17 @@ from kernels.cpu import _profiled, load, load_error
 
 __all__ = ["SKINNY_MAX_ROWS", "skinny_gemm", "skinny_gemm_applies"]
 
+
+def _cpu_has_amx() -> bool:
+    is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(is_amx and is_amx())
+
+
 # rows up to which the kernel beat oneDNN on SmolLM2's linears and LM head (make bench-skinny-gemm, quiet, 2 threads):
-# fp32 1.45x, 1.72x, 1.13x at 1-3 rows, 0.97x at 4; bf16 1.70x, 1.92x, 1.23x, 1.06x at 1-4, 0.82x at 8
-SKINNY_MAX_ROWS = {torch.float32: 3, torch.bfloat16: 4}
+# AMD Zen 4 (AVX512-BF16): fp32 1.45x, 1.72x, 1.13x at 1-3 rows, 0.97x at 4; bf16 1.70x, 1.92x, 1.23x, 1.06x at 1-4,
+# 0.82x at 8. Intel Xeon with AMX, where oneDNN's bf16 runs on the tiles: fp32 1.14x, 1.15x, 1.09x at 1-3, 1.02x at
+# 4; bf16 1.17x, 1.09x at 1-2, 0.95x at 3, 0.88x at 4.
+SKINNY_MAX_ROWS = {torch.float32: 3, torch.bfloat16: 2 if _cpu_has_amx() else 4}
 
 
 def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -8,6 +8,7 @@ reference exactly. Cases the C code does not cover must come back from the refer
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -62,8 +63,32 @@ def test_decode_reads_a_bf16_cache(seed: int, num_seqs: int, block_size: int, gr
     """bf16 query and caches, fp32 inside, the output rounded once to bf16: within bf16's rounding of the
     float64 oracle (computed from the same bf16 values), and against the reference op (which gathers, attends
     in fp32 and casts) at most one bf16 rounding apart."""
+    _check_bf16_decode(seed, num_seqs, block_size, group, head_dim=64)
+
+
+# head_dim 64 and 128 run 16-wide on AVX512-BF16 (paged_attention_decode_zmm.h): query heads go over V in
+# passes of 4 at 64 and of 2 at 128, so groups 4 and 5 (4 + 1) and 2 and 3 (2 + 1) cover every pass length
+BF16_HEADS = [(64, 4), (64, 5), (128, 2), (128, 3), (32, 2), (24, 2)]
+
+
+@pytest.mark.parametrize("head_dim,group", BF16_HEADS)
+def test_decode_bf16_at_every_head_size_and_group(seed: int, head_dim: int, group: int) -> None:
+    _check_bf16_decode(seed, 5, 16, group, head_dim)
+
+
+@pytest.mark.parametrize("head_dim,group", [(64, 3)] + BF16_HEADS)
+def test_decode_bf16_without_avx512bf16(seed: int, head_dim: int, group: int,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 8-wide bf16 kernel, which CPUs without AVX512-BF16 run, built and checked here too."""
+    lib = ctypes.CDLL(str(build_library(("-mno-avx512bf16",))))
+    cpu._declare(lib)
+    monkeypatch.setattr(cpu, "load", lambda: lib)
+    _check_bf16_decode(seed, 5, 16, group, head_dim)
+
+
+def _check_bf16_decode(seed: int, num_seqs: int, block_size: int, group: int, head_dim: int) -> None:
     gen = torch.Generator().manual_seed(seed)
-    num_kv_heads, head_dim = 2, 64
+    num_kv_heads = 2
     lens = awkward_lengths(gen, num_seqs, max(block_size, 2), max_len=70) if num_seqs > 1 else [67]
     kv = make_paged_kv(gen, lens, num_kv_heads, head_dim, block_size, torch.bfloat16, CPU)
     query = torch.randn(num_seqs, num_kv_heads * group, head_dim, generator=gen).bfloat16()

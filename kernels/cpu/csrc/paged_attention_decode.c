@@ -15,7 +15,8 @@
  * loops over it unroll. The next block's rows are prefetched while a block computes.
  *
  * bf16 (query, caches and output all bf16): each K/V row is widened to fp32 as it is loaded (K once
- * per row for its whole GQA group, V once per two of its query heads), and every score, probability,
+ * per row for its whole GQA group, V once per two of its query heads; on AVX512-BF16, K stays bf16 in
+ * `vdpbf16ps` and V is widened 16 at a time: paged_attention_decode_zmm.h), and every score, probability,
  * sum and accumulator is fp32 as in the fp32 kernel; only the output is rounded to bf16, as the reference does (it gathers the blocks, attends
  * in fp32 and casts the result). A bf16 cache halves the bytes a step streams. The body is a textual
  * template (paged_attention_decode.h) instantiated once per type.
@@ -45,6 +46,10 @@
 #undef LOAD8
 #undef STORE8
 #undef KV_BF16
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
+#include "paged_attention_decode_zmm.h" /* the bf16 work item on AVX512-BF16 */
+#endif
 
 #define T bf16_t
 #define FN(name) name##_bf16

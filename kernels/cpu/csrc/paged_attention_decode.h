@@ -116,6 +116,16 @@ static int FN(attend)(T *out, const T *q, int64_t q_head_stride, const T *key_ca
                   const T *value_cache, const int32_t *table, int64_t table_width, int64_t seq_len, int64_t h0,
                   int64_t h1, int64_t group, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                   int64_t num_blocks, float scale) {
+#if KV_BF16 && defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512DQ__)
+#define ATTEND_ZMM(NZ)                                                                                        \
+    attend_heads_bf16_zmm(out, q, q_head_stride, key_cache, value_cache, table, table_width, seq_len, h0, h1,   \
+                          group, num_kv_heads, NZ, block_size, num_blocks, scale)
+    switch (head_dim) { /* paged_attention_decode_zmm.h */
+        case 64: return ATTEND_ZMM(2);
+        case 128: return ATTEND_ZMM(4);
+    }
+#undef ATTEND_ZMM
+#endif
     switch (head_dim) {
         case 16: return ATTEND(2);
         case 32: return ATTEND(4);
