@@ -35,6 +35,28 @@
 #define KERNELS_CPU_SHORT_TABLE 3
 #define PARALLEL_MIN_WORK 8192 /* (context token, query head) pairs: ~1 MFLOP at head_dim 64 */
 
+/* One block of the online softmax for one query head: its scores pi (padded rows past the block's n set to
+ * -inf here) become exp(score - m_new) in place, m and l move on, and the return value alpha = exp(m_old -
+ * m_new) is what the caller rescales its accumulator by (0 on the first block, where m = -inf). */
+static inline __attribute__((always_inline)) float online_softmax_block(v8 *pi, int64_t n, int64_t padded, float *m,
+                                                                       float *l) {
+    float *p = (float *)pi;
+    for (int64_t t = n; t < padded; t++) p[t] = -INFINITY; /* a short last block */
+    v8 mx = pi[0];
+    for (int64_t c = 1; c < padded / 8; c++) mx = vmax(mx, pi[c]);
+    float m_new = *m;
+    for (int k = 0; k < 8; k++) m_new = mx[k] > m_new ? mx[k] : m_new;
+    const float alpha = expf(*m - m_new);
+    v8 sum = (v8){0};
+    for (int64_t c = 0; c < padded / 8; c++) {
+        pi[c] = exp8(pi[c] - m_new);
+        sum += pi[c];
+    }
+    *l = *l * alpha + hsum(sum);
+    *m = m_new;
+    return alpha;
+}
+
 #define T float
 #define FN(name) name##_f32
 #define LOAD8(ptr) (*(const v8u *)(ptr))

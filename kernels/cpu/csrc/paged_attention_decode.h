@@ -52,21 +52,7 @@ static inline __attribute__((always_inline)) int FN(attend_heads)(
             }
         }
         for (int64_t i = 0; i < nq; i++) {
-            v8 *pi = pv[i];
-            if (n < padded)
-                for (int64_t t = n; t < padded; t++) p[i][t] = -INFINITY; /* a short last block */
-            v8 mx = pi[0];
-            for (int64_t c = 1; c < padded / 8; c++) mx = vmax(mx, pi[c]);
-            float m_new = m[i];
-            for (int k = 0; k < 8; k++) m_new = mx[k] > m_new ? mx[k] : m_new;
-            const float alpha = expf(m[i] - m_new); /* 0 on the first block, where m = -inf */
-            v8 sum = (v8){0};
-            for (int64_t c = 0; c < padded / 8; c++) {
-                pi[c] = exp8(pi[c] - m_new);
-                sum += pi[c];
-            }
-            l[i] = l[i] * alpha + hsum(sum);
-            m[i] = m_new;
+            const float alpha = online_softmax_block(pv[i], n, padded, &m[i], &l[i]);
             for (int64_t j = 0; j < nv; j++) acc[i][j] *= alpha;
         }
         /* acc_i += P[i] V, tokens in the outer loop: head_dim / 8 independent FMA chains per query head

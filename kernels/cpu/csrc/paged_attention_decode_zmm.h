@@ -88,24 +88,9 @@ static inline __attribute__((always_inline)) int attend_heads_bf16_zmm(
                 }
             }
         }
-        for (int64_t i = 0; i < nq; i++) { /* online softmax, as the 8-wide kernel */
-            v8 *pi = pv[i];
-            if (n < padded)
-                for (int64_t t = n; t < padded; t++) p[i][t] = -INFINITY;
-            v8 mx = pi[0];
-            for (int64_t c = 1; c < padded / 8; c++) mx = vmax(mx, pi[c]);
-            float m_new = m[i];
-            for (int k = 0; k < 8; k++) m_new = mx[k] > m_new ? mx[k] : m_new;
-            const float alpha = expf(m[i] - m_new);
-            v8 sum = (v8){0};
-            for (int64_t c = 0; c < padded / 8; c++) {
-                pi[c] = exp8(pi[c] - m_new);
-                sum += pi[c];
-            }
-            l[i] = l[i] * alpha + hsum(sum);
-            m[i] = m_new;
-            const __m512 a = _mm512_set1_ps(alpha);
-            for (int64_t j = 0; j < nd; j++) acc[i][j] = _mm512_mul_ps(acc[i][j], a);
+        for (int64_t i = 0; i < nq; i++) {
+            const __m512 alpha = _mm512_set1_ps(online_softmax_block(pv[i], n, padded, &m[i], &l[i]));
+            for (int64_t j = 0; j < nd; j++) acc[i][j] = _mm512_mul_ps(acc[i][j], alpha);
         }
         /* up to 4 query heads per pass over V at head_dim <= 64 (their accumulators and a V row fit the 32
          * registers), 2 at 128 */
