@@ -113,7 +113,8 @@ def test_no_rows_give_an_empty_output() -> None:
 
 def test_bad_inputs_are_refused_with_the_parameter_named() -> None:
     x, w, b, res = _inputs(2, 8, 16, torch.float32)
-    for args, named in [((x, w[:, :15]), "weight must be [n, 16]"), ((x.double(), w.double()), "x must be fp32 or bf16"),
+    for args, named in [((x, w[:, :15]), "weight must be [n, 16]"),
+                        ((x.double(), w.double()), "x must be fp32 or bf16"),
                         ((x, w.bfloat16()), "weight must be x's dtype"), ((x, w.T.contiguous().T), "weight must be"),
                         ((x, w, b[:7]), "bias must be [8]"), ((x, w, b, res[:1]), "residual must be [2, 8]"),
                         ((x, w, b.bfloat16()), "bias must be x's dtype"),
