@@ -193,7 +193,7 @@ def _close(got: torch.Tensor, want64: torch.Tensor, what: str) -> None:
 
 
 @pytest.mark.parametrize("width", [64, 67])  # 67: a tail past the 8-wide vectors
-@pytest.mark.parametrize("rows", [3, 1100])  # 1100 x 64 >= 16384 elements (RMS_NORM_PARALLEL_MIN): the threaded loop
+@pytest.mark.parametrize("rows", [3, 1100])  # 1100 x 64 >= RMS_NORM_PARALLEL_MIN elements: the threaded loop
 def test_rms_norm_matches_the_formula(rows: int, width: int) -> None:
     from engine_core.models.llama import RMSNorm
 

@@ -35,6 +35,15 @@
 #define KERNELS_CPU_SHORT_TABLE 3
 #define PARALLEL_MIN_WORK 8192 /* (context token, query head) pairs: ~1 MFLOP at head_dim 64 */
 
+/* Ask for one token's rows of the next block (heads [h0, h1): `bytes` from k and from v), a 64-byte line at a
+ * time: blocks sit anywhere in the cache, so the hardware prefetcher cannot guess the next one. */
+static inline __attribute__((always_inline)) void prefetch_rows(const char *k, const char *v, int64_t bytes) {
+    for (int64_t x = 0; x < bytes; x += 64) {
+        __builtin_prefetch(k + x);
+        __builtin_prefetch(v + x);
+    }
+}
+
 /* One block of the online softmax for one query head: its scores pi (padded rows past the block's n set to
  * -inf here) become exp(score - m_new) in place, m and l move on, and the return value alpha = exp(m_old -
  * m_new) is what the caller rescales its accumulator by (0 on the first block, where m = -inf). */

@@ -16,7 +16,6 @@ static inline __attribute__((always_inline)) int FN(attend_heads)(
             qv[i][j] = LOAD8(q + i * q_head_stride + 8 * j) * scale;
             acc[i][j] = (v8){0};
         }
-        for (int64_t t = 0; t < padded; t++) p[i][t] = -INFINITY;
         m[i] = -INFINITY;
         l[i] = 0.0f;
     }
@@ -32,10 +31,8 @@ static inline __attribute__((always_inline)) int FN(attend_heads)(
         const int64_t next_base = next >= 0 && next < num_blocks ? next * block_size * token_stride + h0 * head_dim : -1;
         for (int64_t t = 0; t < n; t++) {
             if (next_base >= 0)
-                for (int64_t x = 0; x < nh * head_dim; x += 64 / (int64_t)sizeof(T)) {
-                    __builtin_prefetch(key_cache + next_base + t * token_stride + x);
-                    __builtin_prefetch(value_cache + next_base + t * token_stride + x);
-                }
+                prefetch_rows((const char *)(key_cache + next_base + t * token_stride),
+                              (const char *)(value_cache + next_base + t * token_stride), nh * head_dim * sizeof(T));
             for (int64_t h = 0; h < nh; h++) {
 #if KV_BF16 /* widen the row once for the whole GQA group */
                 v8 k[nv];

@@ -52,13 +52,12 @@ static inline __attribute__((always_inline)) int attend_heads_bf16_zmm(
                   token_stride = num_kv_heads * head_dim;
     const int64_t padded = (block_size + 7) / 8 * 8;
     __m512bh qz[nq][nz];
-    __m512 acc[nq][8];
+    __m512 acc[nq][8]; /* head_dim / 16 used: 8 at 128 */
     v8 pv[nq][padded / 8]; /* a block's scores, then its probabilities */
     float(*p)[padded] = (float(*)[padded])pv, m[nq], l[nq];
     for (int64_t i = 0; i < nq; i++) {
         for (int64_t c = 0; c < nz; c++) qz[i][c] = (__m512bh)_mm512_loadu_si512(q + i * q_head_stride + 32 * c);
         for (int64_t j = 0; j < nd; j++) acc[i][j] = _mm512_setzero_ps();
-        for (int64_t t = 0; t < padded; t++) p[i][t] = -INFINITY;
         m[i] = -INFINITY;
         l[i] = 0.0f;
     }
@@ -72,10 +71,8 @@ static inline __attribute__((always_inline)) int attend_heads_bf16_zmm(
         const int64_t next_base = next >= 0 && next < num_blocks ? next * block_size * token_stride + h0 * head_dim : -1;
         for (int64_t t = 0; t < n; t++) {
             if (next_base >= 0)
-                for (int64_t x = 0; x < nh * head_dim; x += 32) {
-                    __builtin_prefetch(key_cache + next_base + t * token_stride + x);
-                    __builtin_prefetch(value_cache + next_base + t * token_stride + x);
-                }
+                prefetch_rows((const char *)(key_cache + next_base + t * token_stride),
+                              (const char *)(value_cache + next_base + t * token_stride), nh * head_dim * 2);
             for (int64_t h = 0; h < nh; h++) {
                 __m512bh k[nz];
                 for (int64_t c = 0; c < nz; c++)
