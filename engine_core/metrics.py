@@ -96,7 +96,7 @@ class Stats:
     # accepted drafts by position in their draft (0: the first): position j's rate is [j] / num_drafts
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(
         default_factory=list, metadata={"doc": "accepted draft tokens per draft position", "kind": "per_pos",
-                                        "prometheus": "vllm:spec_decode_num_accepted_tokens_per_pos"})
+                                        "prometheus": "vllm:spec_decode_num_accepted_tokens_per_pos_total"})
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS),
                             metadata={"doc": "time to first token, seconds", "kind": "histogram",
                                       "prometheus": "vllm:time_to_first_token_seconds"})

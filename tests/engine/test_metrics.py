@@ -20,7 +20,8 @@ VLLM_V1_NAMES = {
     "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
     "vllm:request_time_per_output_token_seconds": "histogram",
     "vllm:spec_decode_num_drafts_total": "counter", "vllm:spec_decode_num_draft_tokens_total": "counter",
-    "vllm:spec_decode_num_accepted_tokens_total": "counter", "vllm:spec_decode_num_accepted_tokens_per_pos": "counter",
+    "vllm:spec_decode_num_accepted_tokens_total": "counter",
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total": "counter",  # prometheus_client adds vLLM's `_total`
 }
 V0_ONLY = {"vllm:num_requests_swapped": "gauge", "vllm:cpu_cache_usage_perc": "gauge"}  # this engine swaps, as v0
 RENAMED = ("vllm:gpu_cache_usage_perc", "vllm:time_per_output_token_seconds")

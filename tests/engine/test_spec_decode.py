@@ -188,7 +188,7 @@ def test_metrics_use_vllms_names():  # the scheduler counts both methods' drafts
     per_pos = stats.spec_decode_num_accepted_tokens_per_pos
     assert len(per_pos) == SPEC["num_speculative_tokens"] and sum(per_pos) == stats.spec_decode_num_accepted_tokens
     assert per_pos == sorted(per_pos, reverse=True)  # a draft's j-th token is accepted only after the earlier ones
-    assert f'vllm:spec_decode_num_accepted_tokens_per_pos{{position="0"}} {float(per_pos[0])}' in text
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} {float(per_pos[0])}' in text
     d = llm.engine.stats()
     assert d["spec_decode_mean_acceptance_length"] == 1 + stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_drafts
 

@@ -33,7 +33,6 @@ from engine_core.entrypoints.openai.serving import (
     ChoiceEvent, Merged, OpenAIError, TextTracker, Timings, build_sampling_params, choice_seed, param_of,
     run_choice, stop_strings)
 
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
 
 
@@ -43,16 +42,12 @@ class ServerMetrics:
     def __init__(self) -> None:
         disable_created_metrics()  # no `_created` series (vLLM turns them off too)
         self.registry = CollectorRegistry()
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "time between tokens as the server receives them",
-                             buckets=ITL_BUCKETS, registry=self.registry)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "arrival to the last token of a choice",
                              buckets=E2E_BUCKETS, registry=self.registry)
         self.success = Counter("vllm:request_success", "choices finished, by finish_reason",
                                ["finished_reason"], registry=self.registry)
 
     def finished(self, timings: Timings, finish_reason: str | None) -> None:
-        for gap in timings.itl:
-            self.itl.observe(gap)
         self.e2e.observe(time.monotonic() - timings.start)
         self.success.labels(finish_reason or "abort").inc()
 
@@ -170,7 +165,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, chat_template: str | None =
                 timing = Timings()
                 choice_params = params if req.seed is None else _with_seed(params, choice_seed(req.seed, i))
                 streams.append(run_choice(llm, f"{base}-{index}", prompt, choice_params, req.priority,
-                                          TextTracker(llm.tokenizer, stops), index, timing, first))
+                                          TextTracker(llm.tokenizer, stops), index, first))
                 firsts.append(first)
                 timings.append(timing)
         merged = Merged(streams)

@@ -126,34 +126,21 @@ class TextTracker:
 
 @dataclass
 class Timings:
-    """Server-side latencies of one choice, for /metrics."""
+    """When a choice arrived, for /metrics' end-to-end latency (the engine exports the inter-token latency)."""
 
     start: float = field(default_factory=time.monotonic)
-    last: float | None = None
-    itl: list[float] = field(default_factory=list)
-
-    def tokens(self, num_new: int) -> None:
-        """`num_new` tokens arrived now: the gap since the last arrival, shared among them."""
-        now = time.monotonic()
-        if self.last is not None and num_new > 0:
-            self.itl += [(now - self.last) / num_new] * num_new
-        if num_new > 0:
-            self.last = now
 
 
 async def run_choice(llm: AsyncLLM, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     priority: int, tracker: TextTracker, index: int, timings: Timings,
+                     priority: int, tracker: TextTracker, index: int,
                      first: asyncio.Future) -> AsyncIterator[ChoiceEvent]:
     """One choice's events. `first` is resolved once the engine accepted the request (with its
     ValueError / QueueFullError otherwise), so the caller can answer 400/503 before streaming."""
-    seen = 0
     try:
         async for out in llm.generate({"prompt_token_ids": prompt_ids}, params, request_id, priority):
             if not first.done():
                 first.set_result(None)
             completion = out.outputs[0]
-            timings.tokens(len(completion.token_ids) - seen)
-            seen = len(completion.token_ids)
             event = tracker.update(completion.token_ids, completion.finish_reason, index)
             if event.finish_reason == "error":
                 raise RuntimeError(out.error or f"request {request_id} failed")
