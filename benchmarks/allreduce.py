@@ -81,7 +81,7 @@ def _rank(rank: int, world_size: int, port: int, sizes: tuple[int, ...], repeats
 
 def measure(world_size: int, sizes: tuple[int, ...], repeats: int, warmup: int, backend: str = "gloo") -> list[float]:
     """Rank 0's median seconds per size, from `world_size` spawned processes."""
-    from engine_core.distributed.multiproc_executor import free_port
+    from engine_core.executor.multiproc_executor import free_port
 
     context = mp.get_context("spawn")
     queue = context.Queue()

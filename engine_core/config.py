@@ -20,7 +20,7 @@ _PREEMPTION_MODES = ("auto", "recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's names (engine_core/core/request_queue.py)
 _ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # vLLM's executor backends: "uni" (one process, the model in the engine's), "mp" (a worker process per
-# rank, engine_core/distributed); None picks "uni" for one rank and "mp" for more
+# rank, engine_core/executor); None picks "uni" for one rank and "mp" for more
 _EXECUTOR_BACKENDS = (None, "uni", "mp")
 _SPEC_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # drafts per step; acceptance of the k-th draft is alpha^k, so more rarely pays
@@ -228,7 +228,7 @@ class EngineConfig:
     # docs/benchmarks.md, "Pipeline stages overlapping")
     max_concurrent_batches: int | None = None
     # machines the ranks span (vLLM's nnodes): this engine is node 0; the others run
-    # `python -m engine_core.distributed.launch` (MASTER_ADDR, MASTER_PORT, NODE_RANK)
+    # `python -m engine_core.executor.launch` (MASTER_ADDR, MASTER_PORT, NODE_RANK)
     nnodes: int = 1
     device: str = "auto"
     dtype: str = "auto"

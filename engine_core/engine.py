@@ -18,7 +18,7 @@ whose forward raises or whose logits are NaN finishes with finish_reason "error"
 go on. A step is all-or-nothing: Ctrl-C is held until it ends (engine_core.interrupts), and a
 step that raises part-way is rolled back to a consistent state (`Scheduler.requeue_for_recompute`).
 
-The model runs behind an executor (engine_core.distributed): in this process
+The model runs behind an executor (engine_core.executor): in this process
 (`UniProcExecutor`, `self.runner` is its runner) or sharded over tensor_parallel_size x
 pipeline_parallel_size worker processes (`MultiprocExecutor`; `self.runner` is None). `shutdown()`
 stops the workers; garbage collection and interpreter exit do too.
@@ -41,8 +41,8 @@ from engine_core.config import EngineConfig, KVCacheConfig, ResolvedConfig
 from engine_core.core.cost_model import PreemptionCostModel
 from engine_core.core.scheduler import Scheduler
 from engine_core.core.scheduler_output import SchedulerOutput
-from engine_core.distributed.abstract import Executor
-from engine_core.distributed.executor import UniProcExecutor, get_executor_class
+from engine_core.executor.abstract import Executor
+from engine_core.executor.uniproc_executor import UniProcExecutor, get_executor_class
 from engine_core.guard import ThreadGuard, guarded
 from engine_core.lora.adapter import LoRAAdapter
 from engine_core.lora.request import LoRARequest

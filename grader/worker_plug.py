@@ -3,7 +3,7 @@
 `plug` replaces engine functions in this process; a parallel engine's workers are spawned fresh
 interpreters that import the engine anew, so a plug in the engine process never reaches the code
 that shards and runs the model. Inside `plugged_workers(student, lab)` every worker a parallel
-engine starts runs the engine's general plugin hook (engine_core/plugins.py) with
+engine starts runs the engine's general plugin hook (engine_core/executor/plugins.py) with
 `plug_in_worker`: it loads the learner's functions, shipped by value with cloudpickle (the notebook's
 module is not importable in the worker; each function's code keeps its "cell N of <notebook>" file
 name, so delegation checks and tracebacks still see the learner's cells), and enters
@@ -23,7 +23,7 @@ from unittest import mock
 
 import cloudpickle
 
-from engine_core.plugins import PLUGINS_ENV
+from engine_core.executor.plugins import PLUGINS_ENV
 from grader.plug import Plugged, plug
 from grader.seams import seams_of
 

@@ -1,1 +1,1 @@
-"""Tensor and pipeline parallelism: process groups, the executor, the worker processes."""
+"""Process groups of tensor and pipeline parallelism (torch.distributed only; the executors are in executor/)."""

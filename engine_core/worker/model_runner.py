@@ -19,7 +19,7 @@ run the model, and compute logits only for the rows whose chunk reaches the end 
 adapters; with `enable_lora` the LoRAManager gives the step's adapters slots and the rows a
 slot mapping, `attn_metadata.lora`).
 
-In a worker of a parallel engine (`parallel`, engine_core/distributed) the runner holds one shard: the
+In a worker of a parallel engine (`parallel`, engine_core/executor) the runner holds one shard: the
 model's heads and layers of its rank, a KV cache of those only (sized by the shard's bytes per block),
 and it samples only where the model returns logits (the last stage's TP rank 0). A forward that
 raises there is not retried request by request (the ranks would no longer meet in the same

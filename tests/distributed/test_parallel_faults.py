@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from engine_core import LLM
-from engine_core.distributed.multiproc_executor import EngineDeadError
+from engine_core.executor.multiproc_executor import EngineDeadError
 from parallel_helpers import child_processes
 
 pytestmark = pytest.mark.timeout(600)

@@ -1,5 +1,5 @@
 """Two "nodes" on loopback: the engine (node 0, rank 0) in this process, node 1's rank started as a separate
-program by the documented command (`python -m engine_core.distributed.launch`, MASTER_ADDR=127.0.0.1,
+program by the documented command (`python -m engine_core.executor.launch`, MASTER_ADDR=127.0.0.1,
 MASTER_PORT, NODE_RANK=1, ENGINE_CORE_AUTHKEY); the group meets by env://, node 1's worker gets its
 configuration from the engine over the authenticated control connection. TP=2 across the two gives
 the one-process engine's greedy tokens, and shutdown ends node 1's launcher too."""
@@ -37,7 +37,7 @@ def two_free_ports() -> int:
 def test_tp2_across_two_loopback_nodes(monkeypatch):
     port = two_free_ports()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "ENGINE_CORE_AUTHKEY": "loopback-test"}
-    node1 = subprocess.Popen([sys.executable, "-m", "engine_core.distributed.launch", "--nproc-per-node", "1"],
+    node1 = subprocess.Popen([sys.executable, "-m", "engine_core.executor.launch", "--nproc-per-node", "1"],
                              cwd=ROOT, env={**os.environ, **env, "NODE_RANK": "1"})
     try:
         for k, v in env.items():

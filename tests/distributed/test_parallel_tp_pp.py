@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_core.distributed import multiproc_executor
+from engine_core.executor import multiproc_executor
 from parallel_helpers import engine_pair, kv_cache_shape
 from test_parallel_tp import (test_greedy_tokens_equal_tp1_under_chunking_prefix_caching_and_preemption,
                               test_logits_match_tp1_and_float64)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from engine_core import LLM
-from engine_core.distributed import multiproc_executor
+from engine_core.executor import multiproc_executor
 from engine_core.distributed.parallel_state import GroupCoordinator, get_pp_indices, output_rank
 from engine_core.models.parallel_linear import COLUMN, ROW, TPShard, VocabParallelEmbedding, layer_shards
-from engine_core.plugins import PLUGINS_ENV, load_general_plugins
+from engine_core.executor.plugins import PLUGINS_ENV, load_general_plugins
 from parallel_helpers import child_processes
 
 

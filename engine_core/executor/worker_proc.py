@@ -1,5 +1,5 @@
 """One worker process of a parallel engine: runs the general plugins (ENGINE_CORE_PLUGINS,
-engine_core/plugins.py), joins the process group, loads its shard of the model into a `ModelRunner`,
+engine_core/executor/plugins.py), joins the process group, loads its shard of the model into a `ModelRunner`,
 then serves the engine's calls until told to stop or the engine goes away.
 
 A call arrives on the worker's pipe as one pickled `(method, args, reply)`: a `ModelRunner` method name
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from engine_core.config import ResolvedConfig
 from engine_core.distributed.parallel_state import ParallelContext, init_groups
 from engine_core.models.config import ModelConfig
-from engine_core.plugins import load_general_plugins
+from engine_core.executor.plugins import load_general_plugins
 from engine_core.worker.model_runner import ModelRunner
 
 

@@ -7,8 +7,8 @@ from typing import Any, Callable
 
 from engine_core.config import KVCacheConfig, ResolvedConfig
 from engine_core.core.scheduler_output import SchedulerOutput
-from engine_core.distributed.abstract import Executor
-from engine_core.distributed.multiproc_executor import MultiprocExecutor
+from engine_core.executor.abstract import Executor
+from engine_core.executor.multiproc_executor import MultiprocExecutor
 from engine_core.models.config import ModelConfig
 from engine_core.outputs import ModelRunnerOutput
 from engine_core.worker.model_runner import ModelRunner

@@ -5,7 +5,7 @@
         "from engine_core import LLM; LLM('tiny-llama', tensor_parallel_size=2, nnodes=2).generate(...)"
     # node 1 (any start order): ranks per_node .. 2*per_node-1
     MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 ENGINE_CORE_AUTHKEY=secret NODE_RANK=1 \
-        python -m engine_core.distributed.launch --nproc-per-node 1
+        python -m engine_core.executor.launch --nproc-per-node 1
 
 Each worker connects to the engine on MASTER_PORT + 1 (retrying until it listens), names its rank,
 receives the engine's resolved config and the model folder's parsed config (the model folder must
@@ -24,8 +24,8 @@ from multiprocessing.connection import Client
 
 import torch.multiprocessing as mp
 
-from engine_core.distributed.multiproc_executor import CONTROL_PORT_OFFSET, STARTUP_TIMEOUT_S, rendezvous
-from engine_core.distributed.worker import worker_main
+from engine_core.executor.multiproc_executor import CONTROL_PORT_OFFSET, STARTUP_TIMEOUT_S, rendezvous
+from engine_core.executor.worker_proc import worker_main
 
 
 def remote_worker_main(rank: int, parent_pid: int) -> None:

@@ -23,7 +23,7 @@ until the step ends) leaves the ranks' replies unread, so the executor stops the
 
 Several machines (`nnodes` > 1; docs/architecture.md#parallelism has the commands): the group meets by
 `env://` (MASTER_ADDR, MASTER_PORT), this engine spawns node 0's ranks, and each other node's ranks
-(started by `python -m engine_core.distributed.launch`) connect to the engine on MASTER_PORT + 1,
+(started by `python -m engine_core.executor.launch`) connect to the engine on MASTER_PORT + 1,
 authenticated by ENGINE_CORE_AUTHKEY (multiprocessing's HMAC handshake); a TCP connection then
 stands in for the pipe (a closed connection is a dead worker: no process sentinel across machines).
 """
@@ -45,9 +45,9 @@ import torch.multiprocessing as mp
 
 from engine_core.config import KVCacheConfig, ResolvedConfig
 from engine_core.core.scheduler_output import SchedulerOutput
-from engine_core.distributed.abstract import Executor
+from engine_core.executor.abstract import Executor
 from engine_core.distributed.parallel_state import output_rank
-from engine_core.distributed.worker import WorkerSpec, worker_main
+from engine_core.executor.worker_proc import WorkerSpec, worker_main
 from engine_core.models.config import LlamaArgs, ModelConfig
 from engine_core.outputs import ModelRunnerOutput
 
@@ -169,7 +169,7 @@ class MultiprocExecutor(Executor):
         missing = [r for r in ranks if self.conns[r] is None]
         if missing:
             raise EngineDeadError(f"ranks {missing} (other nodes) did not connect to {addr}:{port + CONTROL_PORT_OFFSET} "
-                                  f"within {STARTUP_TIMEOUT_S:g} s: is `python -m engine_core.distributed.launch` "
+                                  f"within {STARTUP_TIMEOUT_S:g} s: is `python -m engine_core.executor.launch` "
                                   f"running there with the same MASTER_ADDR, MASTER_PORT, ENGINE_CORE_AUTHKEY?")
 
     # ---- the executor's calls ------------------------------------------------------------
