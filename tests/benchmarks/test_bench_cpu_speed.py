@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -24,11 +23,15 @@ def test_step_overhead_runs_both_variants_and_times_each_phase(capsys) -> None:
     assert "| fp32 | 1 |" in text.split("Against the machine")[1]
 
 
+@pytest.mark.timeout(120)
 def test_tree_cpu_seconds_counts_a_busy_child() -> None:
+    """The child says when it has burnt 0.5 CPU s (a line on its pipe): waited on, not guessed with a sleep,
+    since a loaded machine may give it a fraction of a core."""
     child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
-                              "while time.process_time() - t < 0.5: pass\ntime.sleep(30)"])
+                              "while time.process_time() - t < 0.5: pass\nprint('burnt', flush=True)\n"
+                              "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(1.5)
+        assert child.stdout.readline() == "burnt\n"  # a child that never gets there: the timeout
         mine = tree_cpu_seconds([])
         assert tree_cpu_seconds([child.pid]) - mine >= 0.4
     finally:

@@ -41,6 +41,13 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.default_int_handler)
     llm = LLM("tiny-llama", tensor_parallel_size=2, num_gpu_blocks=64)
     print(*[p.pid for p in llm.engine.executor.procs], flush=True)
+    step = llm.engine.step
+
+    def first_step():  # says that generate() is under way: the test waits for this line, not for a time
+        llm.engine.step = step
+        print("generating", flush=True)
+        return step()
+    llm.engine.step = first_step
     try:
         llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=900, ignore_eos=True), use_tqdm=False)
     except KeyboardInterrupt:
@@ -59,7 +66,7 @@ def test_ctrl_c_in_the_engine_process_leaves_no_worker(tmp_path):
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2
-        time.sleep(1.0)  # generating
+        assert proc.stdout.readline() == "generating\n"
         os.killpg(proc.pid, signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 3 and "interrupted" in out

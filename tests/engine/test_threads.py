@@ -1,10 +1,13 @@
-"""No hang: the three ways `generate()` used to spin forever now return or raise within a second.
+"""No hang: the three ways `generate()` used to spin forever now return or raise, and say why.
 
 - a request it waits on is aborted from another thread: it returns, that output finish_reason "abort";
 - it is called from two threads: the second gets EngineBusyError at once, the first finishes;
 - it is re-entered from inside a step: the inner call raises EngineBusyError, which ends the outer.
 The engine is single-threaded and says so (engine_core.guard): a step from a second thread, or from
 inside a step, is refused before it changes anything; abort_request may come from any thread.
+What proves the early end is the engine's own record (the finish reason, the error, the steps and tokens
+counted), never the wall clock: a loaded machine may stall any thread for seconds, so threads are joined
+with a generous timeout that only a hang exceeds.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from engine_core.request import RequestStatus
 pytestmark = [pytest.mark.usefixtures(one_torch_thread.__name__), pytest.mark.timeout(60)]
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=1500, **GREEDY)  # many seconds of steps: only an early return ends it soon
+JOIN_S = 30.0  # a hang's bound, not a speed claim
 
 
 def _llm() -> LLM:
@@ -57,12 +61,10 @@ def test_generate_returns_when_another_thread_aborts_its_request():
     thread, result = _in_thread(lambda: llm.generate([[5, 6], [7, 8]], [LONG, SamplingParams(max_tokens=3, **GREEDY)],
                                                      use_tqdm=False))
     _wait_until(lambda: llm.engine.stats()["num_generated_tokens"] >= 8)
-    aborted_at = time.monotonic()
     llm.engine.abort_request("gen-0")  # the engine is mid-generate in the other thread: queued, then applied
-    thread.join(timeout=1.0)
-    assert not thread.is_alive(), "generate() did not return within a second of the abort"
-    assert time.monotonic() - aborted_at < 1.0
-    long, short = result["value"]
+    thread.join(timeout=JOIN_S)
+    assert not thread.is_alive(), f"generate() did not return within {JOIN_S} s of the abort"
+    long, short = result["value"]  # "abort" and < 1500 tokens: it ended because of the abort, not at length
     assert long.finished and long.outputs[0].finish_reason == "abort" and 5 <= len(long.outputs[0].token_ids) < 1500
     assert short.outputs[0].finish_reason == "length" and len(short.outputs[0].token_ids) == 3
     assert not llm.engine.has_unfinished_requests() and pool_is_whole(llm.engine)
@@ -73,11 +75,10 @@ def test_a_second_thread_calling_generate_gets_a_clear_error():
     first, result = _in_thread(lambda: llm.generate([[5, 6]], SamplingParams(max_tokens=200, **GREEDY),
                                                     use_tqdm=False))
     _wait_until(lambda: llm.engine.stats()["num_generated_tokens"] >= 2)
-    start = time.monotonic()
     second, second_result = _in_thread(lambda: llm.generate([[7]], use_tqdm=False))
-    second.join(timeout=1.0)
-    assert not second.is_alive() and time.monotonic() - start < 1.0
-    error = second_result["error"]
+    second.join(timeout=JOIN_S)
+    assert not second.is_alive()
+    error = second_result["error"]  # refused while the first is in generate(), not queued behind it
     assert isinstance(error, EngineBusyError)
     assert "LLM.generate() called from thread" in str(error) and "is in LLM.generate(): the engine is single-threaded" \
         in str(error)
@@ -100,10 +101,10 @@ def test_generate_re_entered_from_inside_a_step_raises():
         return execute(scheduler_output)
 
     llm.engine.runner.execute_model = hook
-    start = time.monotonic()
     with pytest.raises(EngineBusyError, match=r"LLM\.generate\(\) called from inside step\(\)"):
         llm.generate([[5, 6, 7]], LONG, use_tqdm=False)
-    assert time.monotonic() - start < 1.0
+    stats = llm.engine.stats()  # the first step raised and ended the outer call: nothing of LONG ran
+    assert (stats["num_steps"], stats["num_failed_steps"], stats["num_generated_tokens"]) == (0, 1, 0)
     llm.engine.runner.execute_model = execute
     assert not llm.engine.has_unfinished_requests() and pool_is_whole(llm.engine)
     outs = llm.generate([[5, 6, 7], [8]], SamplingParams(max_tokens=4, **GREEDY), use_tqdm=False)
@@ -123,7 +124,7 @@ def test_step_re_entered_or_concurrent_is_refused_before_any_change():
                 call()
         engine.abort_request("never-added")  # allowed anywhere: queued until the step ends
         thread, result = _in_thread(engine.step)
-        thread.join(timeout=1.0)
+        thread.join(timeout=JOIN_S)
         seen.append(result.get("error"))
         return execute(scheduler_output)
 

@@ -236,13 +236,17 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on(llm, e
 
 def test_a_task_cancelled_before_its_add_is_applied_leaves_nothing_and_the_loop_alive(llm, expected):
     async def main():
-        blocker = llm.run_in_engine(lambda engine: time.sleep(0.5))  # the loop is busy: the add waits in the inbox
-        task = asyncio.create_task(_collect(llm, PROMPTS[0], SamplingParams(max_tokens=1000, **GREEDY), "gone"))
-        await asyncio.sleep(0.05)
-        task.cancel()  # cancels the add's future too (asyncio.wrap_future)
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        blocker.result(5)
+        gate = threading.Event()  # the loop is busy until the test opens it: the add waits in the inbox
+        blocker = llm.run_in_engine(lambda engine: gate.wait(60))
+        try:
+            task = asyncio.create_task(_collect(llm, PROMPTS[0], SamplingParams(max_tokens=1000, **GREEDY), "gone"))
+            await asyncio.sleep(0.05)  # the task submits its add (any wait does: the gate holds the loop)
+            task.cancel()  # cancels the add's future too (asyncio.wrap_future)
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            gate.set()
+        assert blocker.result(30) is True, "the loop was not held while the add was cancelled"
         assert _idle(llm)["num_finished_requests"] == 0, "the cancelled add was never applied"
         return await _collect(llm, PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS[0], **GREEDY), "next")
 
