@@ -160,8 +160,18 @@ def test_a_terminal_has_the_project_environment(browser, learner):
         page.locator(".lm-Menu-itemLabel").get_by_text("Terminal", exact=True).click()
         terminal = page.locator(".jp-Terminal").first
         terminal.wait_for(state="visible", timeout=30_000)
-        time.sleep(2)  # the shell reads its rc file
-        terminal.click()
+        # the shell is ready once a command typed into it runs (keys typed before its socket opens are lost):
+        # type a harmless one until its file appears, then the real one, once
+        ready = scratch / "terminal-ready"
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert time.monotonic() < deadline, "the terminal ran no command in 120 s"
+            terminal.click()
+            page.keyboard.type(f"touch {ready}\n")
+            for _ in range(20):
+                if ready.exists():
+                    break
+                time.sleep(0.25)
         page.keyboard.type(f"(which python; pytest -q labs/00_warmup | tail -n 1; echo END) > {marker} 2>&1\n")
         deadline = time.monotonic() + 120
         while not (marker.exists() and "END" in marker.read_text()) and time.monotonic() < deadline:
