@@ -42,18 +42,16 @@ from engine_core.core.cost_model import PreemptionCostModel
 from engine_core.core.scheduler import Scheduler
 from engine_core.core.scheduler_output import SchedulerOutput
 from engine_core.executor.abstract import Executor
-from engine_core.executor.uniproc_executor import UniProcExecutor, get_executor_class
+from engine_core.executor.uniproc_executor import get_executor_class
 from engine_core.guard import ThreadGuard, guarded
 from engine_core.lora.adapter import LoRAAdapter
 from engine_core.lora.request import LoRARequest
 from engine_core.metrics import StepInfo
-from engine_core.models.config import ModelConfig
+from engine_core.models.config import ModelConfig, check_draft_model
 from engine_core.prompts import PromptType, parse_prompt
 from engine_core.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
 from engine_core.validation import check_int, check_real, fail
-from engine_core.worker.draft_model import check_draft_model
-from engine_core.worker.model_runner import ModelRunner, weight_bytes as runner_weight_bytes
-from engine_core.worker.model_runner import weight_bytes_by_scheme as runner_weight_bytes_by_scheme
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -65,15 +63,10 @@ class LLMEngine:
         if spec is not None and spec.method == "draft_model":  # before any process or weight is loaded
             check_draft_model(spec.model, args.vocab_size, self.config.max_model_len)
         self.executor: Executor = get_executor_class(self.config)(self.config, self.model_config)
-        # the model runner when it is in this process (the single-process engine), else None
-        self.runner: ModelRunner | None = self.executor.runner if isinstance(self.executor, UniProcExecutor) else None
+        self.runner = self.executor.runner  # the model runner when it is in this process, else None
         self.kv_cache_config: KVCacheConfig = self.executor.determine_kv_cache_config()
         self.executor.initialize_kv_cache(self.kv_cache_config)
-        self.weight_bytes = sum(self.executor.collective_rpc(runner_weight_bytes))  # every rank's shard
-        self.weight_bytes_by_scheme: dict[str, int] = {}
-        for part in self.executor.collective_rpc(runner_weight_bytes_by_scheme):
-            for name, nbytes in part.items():
-                self.weight_bytes_by_scheme[name] = self.weight_bytes_by_scheme.get(name, 0) + nbytes
+        self.weight_bytes, self.weight_bytes_by_scheme = self.executor.weight_bytes()  # every rank's shard
         self.cost_model = PreemptionCostModel.for_device(
             self.model_config.args.model_spec(), self.config.kv_cache_dtype, self.config.device.type,
             config.prefill_flops_per_s, config.swap_bandwidth_bytes_per_s)
@@ -135,7 +128,7 @@ class LLMEngine:
                           lora_id=None if adapter is None else adapter.lora_int_id)
         self.scheduler.add_request(request)  # may reject (never fits the KV cache) before queuing
         if adapter is not None:
-            self.executor.lora.remember(lora_request, adapter)
+            self.executor.add_lora(lora_request, adapter)
         self.requests[request_id] = (request, text)
         return request
 
@@ -144,7 +137,7 @@ class LLMEngine:
         """vLLM's `add_lora`: check an adapter folder and load it into the host cache ahead of its requests."""
         if not isinstance(lora_request, LoRARequest):
             fail("lora_request", "a LoRARequest", lora_request)
-        self.executor.lora.remember(lora_request, self._check_lora(lora_request))
+        self.executor.add_lora(lora_request, self._check_lora(lora_request))
 
     def _check_lora(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
         """The adapter, read and checked (engine_core.lora.adapter) but not yet remembered: a request
@@ -153,11 +146,7 @@ class LLMEngine:
             return None
         if not isinstance(lora_request, LoRARequest):
             fail("lora_request", "a LoRARequest or None", lora_request)
-        if self.executor.lora is None:
-            raise ValueError(f"lora_request {lora_request.lora_name!r} given, but the engine was built with "
-                             f"enable_lora=False; pass enable_lora=True (with max_loras, max_lora_rank) to serve "
-                             f"adapters")
-        return self.executor.lora.check(lora_request)
+        return self.executor.check_lora(lora_request)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids in [0, vocab_size))."""

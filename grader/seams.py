@@ -223,6 +223,14 @@ SEAMS: tuple[Seam, ...] = (
 )
 
 
+def fused_block_switch(seams: list[Seam]) -> tuple[Any, str] | None:
+    """(holder, attribute) to set False while `seams` are plugged, when the engine's fused decode block
+    (`AttentionPlan.fused_decode_block`) would otherwise run in their place; None when it runs none of them."""
+    if any(s.owner == ATTENTION_PLAN for s in seams):
+        return resolve(ATTENTION_PLAN), "fused_decode_block"
+    return None
+
+
 def seams_of(lab: str) -> tuple[Seam, ...]:
     """The lab's seams in table order; ValueError for a lab without any."""
     found = tuple(s for s in SEAMS if s.lab == lab)

@@ -80,7 +80,7 @@ def kv_cache_shape(runner: ModelRunner) -> tuple[tuple[int, ...], int]:
 
 def child_processes() -> list[psutil.Process]:
     """Live (not zombie) descendants of this process that belong to a parallel engine: workers spawned by
-    multiprocessing (`spawn_main`) and another node's launcher (`engine_core.distributed`), but
+    multiprocessing (`spawn_main`) and another node's launcher (`engine_core.executor.launch`), but
     multiprocessing's resource tracker (started with the first spawned process, shared by all, it lives as
     long as this process). Other children are not the engine's: under `make test` the first xdist worker
     also runs the labs' selftests as subprocesses while these tests run."""
@@ -88,7 +88,7 @@ def child_processes() -> list[psutil.Process]:
     for p in psutil.Process().children(recursive=True):
         try:
             cmdline = " ".join(p.cmdline())
-            ours = "spawn_main" in cmdline or "engine_core.distributed" in cmdline
+            ours = "spawn_main" in cmdline or "engine_core.executor.launch" in cmdline
             if ours and p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in cmdline:
                 found.append(p)
         except psutil.NoSuchProcess:

@@ -85,6 +85,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine_core.validation", "engine_core.prompts", "engine_core.interrupts", "engine_core.guard",
      "engine_core.request", "engine_core.outputs", "engine_core.metrics", "engine_core.memory",
      "engine_core.presets", "engine_core.presets_real", "engine_core.cache", "engine_core.config",
+     "engine_core.exceptions",
      "engine_core.spec_decode",  # the n-gram proposer: token lists in, token lists out
      "engine_core.distributed"),  # leaves every layer above uses (process groups: torch only)
     ("engine_core.core", "engine_core.models"),  # the scheduler and its KV bookkeeping; the model and its layers

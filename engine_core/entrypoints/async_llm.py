@@ -10,7 +10,10 @@ latest output, and always the final one.
 Back-pressure: an add is refused (QueueFullError) while `max_waiting_requests` requests wait for
 admission. A reader that goes away (its task cancelled, the iterator closed) aborts its request,
 which frees its blocks. A step that raises fails every request in flight (EngineStepError in
-each iterator, the requests aborted) and the loop goes on with new ones. `shutdown()` refuses new
+each iterator, the requests aborted) and the loop goes on with new ones. A dead engine (EngineDeadError:
+a worker process failed, in a step or between steps, as the executor's failure callback reports) ends
+the loop: the requests in flight and every later call get EngineDeadError with the reason, and
+`is_running` is False (a server's /health answers 503). `shutdown()` refuses new
 requests, lets those in flight finish (or aborts them at once, or at the timeout) and joins the
 thread. Scheduling order is the engine's `scheduling_policy`: `priority` goes to add_request as it
 is, which refuses one other than 0 under "fcfs" (generate raises its ValueError, nothing queued).
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, TypeVar
 
 from engine_core.engine import LLMEngine
+from engine_core.exceptions import EngineDeadError
 from engine_core.prompts import PromptType
 from engine_core.request import Request, RequestOutput, SamplingParams
 from engine_core.validation import check_int
@@ -37,10 +41,6 @@ logger = logging.getLogger(__name__)
 
 class QueueFullError(RuntimeError):
     """The waiting queue is full: the request was refused, nothing was queued (retry later)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The loop is shut down (or shutting down): no new work is accepted."""
 
 
 class EngineStepError(RuntimeError):
@@ -138,6 +138,8 @@ class AsyncLLM:
         self._deadline = float("inf")  # shutdown: in-flight requests are aborted after this
         self._streams: dict[str, _Stream] = {}  # loop thread only
         self.num_step_errors = 0
+        self._dead: str | None = None  # why the engine cannot step again (any thread may set it, once)
+        engine.executor.register_failure_callback(self._engine_died)
         self._thread = threading.Thread(target=self._run, name="AsyncLLM-loop", daemon=True)
         self._thread.start()
 
@@ -155,7 +157,7 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return not self._stopping and not self._closed
+        return not self._stopping and not self._closed and self._dead is None
 
     # ---- the callers' side (any thread) ----------------------------------------------------
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str,
@@ -222,15 +224,23 @@ class AsyncLLM:
 
     def _submit(self, command: _Add | _Abort | _Call) -> None:
         with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine is dead, no new requests are accepted: {self._dead}")
             if self._closed or (self._stopping and isinstance(command, _Add)):
                 raise EngineDeadError("the engine loop is shut down: no new requests are accepted")
             self._inbox.append(command)
         self._wakeup.set()
 
+    def _engine_died(self, reason: str) -> None:
+        """The executor's failure callback (its monitor thread): the loop ends at its next turn."""
+        if self._dead is None:
+            self._dead = reason
+        self._wakeup.set()
+
     # ---- the loop thread ---------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while True:
+            while self._dead is None:
                 self._drain_inbox()
                 if self._stopping and (self._abort_all or time.monotonic() >= self._deadline):
                     self._abort_streams(list(self._streams))
@@ -292,6 +302,9 @@ class AsyncLLM:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except EngineDeadError as e:  # no step can run again: the loop ends, _close fails every request
+            self._engine_died(str(e))
+            return
         except Exception as e:  # the engine rolled itself back; its requests are failed, not retried forever
             self.num_step_errors += 1
             streams, self._streams = self._streams, {}
@@ -312,7 +325,7 @@ class AsyncLLM:
         """On the way out (shutdown, or the loop died): refuse everything, answer every waiter."""
         with self._lock:
             self._closed = True
-        dead = EngineDeadError("the engine loop stopped")
+        dead = EngineDeadError(f"the engine is dead: {self._dead}" if self._dead else "the engine loop stopped")
         for command in self._inbox:
             if isinstance(command, (_Add, _Call)) and command.future.set_running_or_notify_cancel():
                 command.future.set_exception(dead)
@@ -323,6 +336,8 @@ class AsyncLLM:
             for stream in self._streams.values():
                 stream.mailbox.fail(dead)
             self._streams.clear()
+            if self._dead is not None:  # the surviving workers are stopped now, not at the server's exit
+                self.engine.shutdown()
 
 
 def _settle(future: concurrent.futures.Future, fn: Callable[[LLMEngine], Any], engine: LLMEngine) -> None:

@@ -16,8 +16,9 @@ FIFO, so the replies of the calls in flight are read in the order the calls were
 
 Failure: a worker that raises (its traceback comes back), dies (its process sentinel fires) or does
 not reply within `step_timeout_s` stops every worker and raises `EngineDeadError` naming the rank;
-every later call raises it again. `shutdown()`, garbage collection of the executor and interpreter
-exit (a `weakref.finalize`) stop the workers: a "shutdown" message, then terminate, then kill.
+every later call raises it again. A local worker that dies between calls is seen at once by a monitor
+thread, which calls the `register_failure_callback` callbacks (vLLM's `monitor_workers`). `shutdown()`,
+garbage collection of the executor and interpreter exit (a `weakref.finalize`) stop the workers: a "shutdown" message, then terminate, then kill.
 Ctrl-C reaches only the engine (workers ignore it); a second Ctrl-C inside a step (the first is held
 until the step ends) leaves the ranks' replies unread, so the executor stops them too.
 
@@ -45,8 +46,9 @@ import torch.multiprocessing as mp
 
 from engine_core.config import KVCacheConfig, ResolvedConfig
 from engine_core.core.scheduler_output import SchedulerOutput
-from engine_core.executor.abstract import Executor
 from engine_core.distributed.parallel_state import output_rank
+from engine_core.exceptions import EngineDeadError
+from engine_core.executor.abstract import Executor
 from engine_core.executor.worker_proc import WorkerSpec, worker_main
 from engine_core.models.config import LlamaArgs, ModelConfig
 from engine_core.outputs import ModelRunnerOutput
@@ -64,10 +66,6 @@ def rendezvous() -> tuple[str, int, bytes]:
                          f"secret) in the environment of every node; got MASTER_ADDR={addr!r}, MASTER_PORT={port!r}, "
                          f"ENGINE_CORE_AUTHKEY {'set' if key else 'unset'}")
     return addr, int(port), key.encode()
-
-
-class EngineDeadError(RuntimeError):
-    """A worker failed; the parallel engine has stopped every worker and cannot run another step."""
 
 
 def check_parallel(config: ResolvedConfig, args: LlamaArgs) -> None:
@@ -127,7 +125,9 @@ class MultiprocExecutor(Executor):
         init_method = "env://" if e.nnodes > 1 else f"tcp://127.0.0.1:{free_port()}"
         self.procs: list[Any] = [None] * self.world_size  # None: a rank on another node
         self.conns: list[Connection | None] = [None] * self.world_size
-        self._finalizer = weakref.finalize(self, stop_workers, self.procs, self.conns)
+        self._stopping = threading.Event()  # set before the workers are stopped: their exits are no failure
+        self._finalizer = weakref.finalize(self, stop_workers, self.procs, self.conns, self._stopping)
+        self._monitor: WorkerMonitor | None = None
 
         def spec(rank: int) -> WorkerSpec:
             return WorkerSpec(rank, e.tensor_parallel_size, e.pipeline_parallel_size, init_method,
@@ -143,6 +143,7 @@ class MultiprocExecutor(Executor):
             if e.nnodes > 1:
                 self._accept_other_nodes(range(local, self.world_size), spec, config, model_config)
             self._replies("startup (joining the group, loading the weights)", STARTUP_TIMEOUT_S)
+            self._monitor = WorkerMonitor(self.procs, self._stopping)
         except BaseException:
             self.shutdown()
             raise
@@ -204,6 +205,10 @@ class MultiprocExecutor(Executor):
             for k, v in rank_stats.items():
                 total[k] = total.get(k, 0) + v
         return total
+
+    def register_failure_callback(self, callback: Callable[[str], None]) -> None:
+        if self._monitor is not None:
+            self._monitor.register(callback)
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -269,6 +274,9 @@ class MultiprocExecutor(Executor):
                 except (EOFError, OSError):
                     self._fail(f"{what}: {self._death(rank)}")
                 if status == "error":
+                    dead = [r for r, p in enumerate(self.procs) if p is not None and not p.is_alive()]
+                    if dead:  # a rank whose peer died fails in the collective: the death is the cause
+                        self._fail(f"{what}: {self._death(dead[0])} (worker {rank} then raised:\n{result})")
                     self._fail(f"{what}: worker {rank} raised:\n{result}")
                 results[rank], self._comm[rank] = result, comm
                 del pending[rank]
@@ -278,19 +286,12 @@ class MultiprocExecutor(Executor):
         return results
 
     def _death(self, rank: int) -> str:
-        proc = self.procs[rank]
-        if proc is None:
-            return f"worker {rank} (on another node) closed its connection"
-        proc.join(1.0)  # a closed pipe comes a moment before the exit code
-        code = proc.exitcode
-        how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
-               f"exit code {code}" if code is not None else "its pipe closed")
-        return f"worker {rank} (pid {proc.pid}) died ({how})"
+        return death(rank, self.procs[rank])
 
     def _fail(self, message: str) -> None:
         self._dead = f"the parallel engine stopped: {message}"
         if self._finalizer.detach() is not None:  # the surviving ranks may wait in a collective: no long grace
-            stop_workers(self.procs, self.conns, grace_s=0.5)
+            stop_workers(self.procs, self.conns, self._stopping, grace_s=0.5)
         raise EngineDeadError(self._dead)
 
 
@@ -312,9 +313,55 @@ class PendingCall:
         return self.results if every_rank or self.output_rank is None else self.results[self.output_rank]
 
 
-def stop_workers(procs: list[Any], conns: list[Connection | None], grace_s: float = 5.0) -> None:
+def death(rank: int, proc: Any) -> str:
+    """How worker `rank` ended, for an EngineDeadError."""
+    if proc is None:
+        return f"worker {rank} (on another node) closed its connection"
+    proc.join(1.0)  # a closed pipe comes a moment before the exit code
+    code = proc.exitcode
+    how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
+           f"exit code {code}" if code is not None else "its pipe closed")
+    return f"worker {rank} (pid {proc.pid}) died ({how})"
+
+
+class WorkerMonitor:
+    """Waits on the local workers' process sentinels on a daemon thread; the first that fires, unless the
+    executor is stopping them, calls every registered callback with the reason (once). It holds no reference
+    to the executor, so garbage collection still stops the workers."""
+
+    def __init__(self, procs: list[Any], stopping: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[str], None]] = []
+        self.reason: str | None = None
+        threading.Thread(target=self._watch, args=(list(procs), stopping), name="engine-worker-monitor",
+                         daemon=True).start()
+
+    def register(self, callback: Callable[[str], None]) -> None:
+        with self._lock:
+            self._callbacks.append(callback)
+            reason = self.reason
+        if reason is not None:  # it died before anyone listened
+            callback(reason)
+
+    def _watch(self, procs: list[Any], stopping: threading.Event) -> None:
+        sentinels = {p.sentinel: rank for rank, p in enumerate(procs) if p is not None}
+        ready = wait(list(sentinels)) if sentinels else []
+        if stopping.is_set() or not ready:
+            return
+        rank = sentinels[ready[0]]
+        with self._lock:
+            self.reason = f"the parallel engine stopped: {death(rank, procs[rank])}"
+            callbacks = list(self._callbacks)
+        for callback in callbacks:
+            callback(self.reason)
+
+
+def stop_workers(procs: list[Any], conns: list[Connection | None], stopping: threading.Event | None = None,
+                 grace_s: float = 5.0) -> None:
     """Ask, then terminate, then kill; wait for each, so no process is left (the finalizer's body). A
     remote worker gets the message and the closed connection; its node's launcher outlives it only briefly."""
+    if stopping is not None:
+        stopping.set()
     data = pickle.dumps(("shutdown", (), False))
     procs = [p for p in procs if p is not None]
     conns = [c for c in conns if c is not None]

@@ -3,6 +3,7 @@ runner in the engine's own process, called directly, so the single-process engin
 did before there were executors (one more Python call per step)."""
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any, Callable
 
 from engine_core.config import KVCacheConfig, ResolvedConfig
@@ -27,7 +28,6 @@ class UniProcExecutor(Executor):
 
     def __init__(self, config: ResolvedConfig, model_config: ModelConfig) -> None:
         self.runner = ModelRunner(config, model_config)
-        self.lora = self.runner.lora
 
     def determine_kv_cache_config(self) -> KVCacheConfig:
         return self.runner.determine_kv_cache_config()
@@ -35,8 +35,16 @@ class UniProcExecutor(Executor):
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         self.runner.initialize_kv_cache(kv_cache_config)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      non_block: bool = False) -> "ModelRunnerOutput | Future[ModelRunnerOutput]":
+        if not non_block:
+            return self.runner.execute_model(scheduler_output)
+        done: Future[ModelRunnerOutput] = Future()  # vLLM's: the step has run when the future is made
+        try:
+            done.set_result(self.runner.execute_model(scheduler_output))
+        except Exception as e:
+            done.set_exception(e)
+        return done
 
     def forget_all_requests(self) -> None:
         self.runner.forget_all_requests()

@@ -68,6 +68,9 @@ class AttentionPlan:
     """Everything attention needs for one step, derived once from the metadata (host-side slicing
     only, nothing that synchronises with a device, so CUDA graph capture still works)."""
 
+    # the fused decode block runs in place of write_kv and attend: a grader that plugs either switches it off
+    fused_decode_block: bool = True
+
     def __init__(self, meta: AttentionMetadata, device: torch.device, dtype: torch.dtype) -> None:
         self.meta = meta
         self.ops = kernels.kernel_ops(meta.backend, device, dtype)
@@ -110,9 +113,8 @@ class AttentionPlan:
                      num_kv_heads: int, head_dim: int) -> Callable[..., torch.Tensor] | None:
         """The step's fused attention block (`kernels.cpu.DecodeAttentionBlock`: RoPE, `write_kv` and `attend`
         in one C call per layer, built once per step), or None where the three separate ops must run: not a
-        decode-only step of the cpu backend's own kernels in fp32/bf16 with one split (the block's attention is
-        the decode op's `num_splits=1` call), or `write_kv` / `attend` replaced on the class (lab 14's seams: a
-        learner's function is then what runs)."""
+        decode-only step of the cpu backend in fp32/bf16 with one split (the block's attention is the decode
+        op's `num_splits=1` call), or `fused_decode_block` switched off (a grader plugging lab 14's seams)."""
         key = (num_heads, num_kv_heads, head_dim)
         if self._block is None or self._block[0] != key:
             self._block = (key, self._new_decode_block(positions, cos, sin, *key))
@@ -121,14 +123,11 @@ class AttentionPlan:
     def _new_decode_block(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
                           num_kv_heads: int, head_dim: int) -> Callable[..., torch.Tensor] | None:
         meta, ops = self.meta, self.ops
-        if (ops.backend != "cpu" or ops.rotary_embedding is None or not meta.decode_only
-                or meta.output_rows is not None or meta.kv_cache_dtype != "auto" or meta.decode_num_splits != 1
-                or type(self).write_kv is not _WRITE_KV or type(self).attend is not _ATTEND):
+        if (not self.fused_decode_block or ops.backend != "cpu" or ops.rotary_embedding is None
+                or not meta.decode_only or meta.output_rows is not None or meta.kv_cache_dtype != "auto"
+                or meta.decode_num_splits != 1):
             return None
         from kernels import cpu
-        if (ops.rotary_embedding is not cpu.rotary_embedding or ops.reshape_and_cache is not cpu.reshape_and_cache
-                or ops.paged_attention_decode is not cpu.paged_attention_decode):
-            return None
         block = cpu.DecodeAttentionBlock(positions, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                          num_heads, num_kv_heads, head_dim)
         return block if block.applies else None
@@ -140,5 +139,3 @@ class AttentionPlan:
         return self.ops.paged_attention_decode(query[self.output_rows], kv.key_cache, kv.value_cache, *self.output,
                                                scale, kv.k_scale, kv.v_scale, num_splits=self.meta.output_num_splits)
 
-
-_WRITE_KV, _ATTEND = AttentionPlan.write_kv, AttentionPlan.attend  # the engine's own (decode_block's check)

@@ -33,23 +33,6 @@ from engine_core.worker.sampler import Sampler, apply_top_k_top_p, draw_seed
 DRAFT_SALT = 0x5DEECE66D  # separates the draft's seeded draws from the target's
 
 
-def check_draft_model(model: str, vocab_size: int, max_model_len: int) -> ModelConfig:
-    """The draft checkpoint's config, checked against the target: the same vocab_size (drafts are target
-    token ids, q and p the same support) and a context of at least max_model_len."""
-    try:
-        draft = ModelConfig.load(model)
-    except ValueError as error:
-        raise ValueError(f"speculative_config['model']: {error}") from None
-    if draft.args.vocab_size != vocab_size:
-        raise ValueError(f"speculative_config['model']={model!r} has vocab_size {draft.args.vocab_size}; a draft "
-                         f"model needs the target's vocabulary, vocab_size {vocab_size}")
-    if draft.args.max_position_embeddings < max_model_len:
-        raise ValueError(f"speculative_config['model']={model!r} has max_position_embeddings "
-                         f"{draft.args.max_position_embeddings}, shorter than max_model_len {max_model_len}: the "
-                         f"draft must cover the target's context (pass a smaller max_model_len)")
-    return draft
-
-
 class DraftModel:
     def __init__(self, draft: ModelConfig, num_speculative_tokens: int, dtype: torch.dtype, device: torch.device,
                  max_model_len: int, block_size: int, backend: str) -> None:

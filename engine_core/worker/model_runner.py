@@ -38,14 +38,16 @@ from engine_core.config import KVCacheConfig, ResolvedConfig
 from engine_core.core.kv_cache_manager import cdiv
 from engine_core.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from engine_core.distributed.parallel_state import ParallelContext
+from engine_core.lora.adapter import LoRAAdapter
 from engine_core.lora.manager import LoRAManager
+from engine_core.lora.request import LoRARequest
 from engine_core.models.attention import AttentionMetadata
-from engine_core.models.config import ModelConfig
+from engine_core.models.config import ModelConfig, check_draft_model
 from engine_core.models.llama import LlamaForCausalLM, load_model
 from engine_core.outputs import ModelRunnerOutput
 from engine_core.request import Request, SamplingParams
 from engine_core.worker.cuda_graphs import DecodeGraphs
-from engine_core.worker.draft_model import DraftModel, check_draft_model
+from engine_core.worker.draft_model import DraftModel
 from engine_core.worker.input_batch import InputBatch
 from engine_core.worker.kv_cache import KVCache
 from engine_core.worker.kv_scales import DynamicScales, static_kv_amax
@@ -68,14 +70,25 @@ class ModelInput:
     drafts: list[list[int]] | None = None  # per emitting request
 
 
-def weight_bytes(runner: "ModelRunner") -> int:
-    """The runner's model weight bytes (for `collective_rpc`: a module-level function)."""
-    return runner.weight_bytes
+def weight_bytes(runner: "ModelRunner") -> tuple[int, dict[str, int]]:
+    """The runner's model weight bytes as stored, and the same by scheme or dtype
+    (`LlamaForCausalLM.weight_bytes_by_scheme`); for `collective_rpc`: a module-level function."""
+    return runner.weight_bytes, runner.model.weight_bytes_by_scheme()
 
 
-def weight_bytes_by_scheme(runner: "ModelRunner") -> dict[str, int]:
-    """The same bytes by scheme or dtype (`LlamaForCausalLM.weight_bytes_by_scheme`)."""
-    return runner.model.weight_bytes_by_scheme()
+def check_lora(runner: "ModelRunner", lora_request: LoRARequest) -> LoRAAdapter:
+    """The adapter, read and checked against the runner's model; changes nothing (`LoRAManager.check`)."""
+    if runner.lora is None:
+        raise ValueError(f"lora_request {lora_request.lora_name!r} given, but the engine was built with "
+                         f"enable_lora=False; pass enable_lora=True (with max_loras, max_lora_rank) to serve "
+                         f"adapters")
+    return runner.lora.check(lora_request)
+
+
+def add_lora(runner: "ModelRunner", lora_request: LoRARequest, adapter: LoRAAdapter | None = None) -> None:
+    """Keep an adapter (checked here unless `adapter` is the checked one): its id names its folder from now on."""
+    adapter = check_lora(runner, lora_request) if adapter is None else adapter
+    runner.lora.remember(lora_request, adapter)
 
 
 class ModelRunner:

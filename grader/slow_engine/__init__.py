@@ -12,7 +12,7 @@ import contextlib
 from typing import Callable, Iterable, Iterator
 from unittest import mock
 
-from grader.seams import resolve, seams_of
+from grader.seams import fused_block_switch, resolve, seams_of
 from grader.slow_engine import variants
 
 LAB = "14_find_the_bottleneck"
@@ -33,10 +33,12 @@ def slow_engine(keep: Iterable[str] = (), wrap: Callable[[str, Callable], Callab
     unknown = keep - set(SLOW)
     if unknown:
         raise ValueError(f"keep: {sorted(unknown)} are not lab 14 seams; they are {sorted(SLOW)}")
+    planted = [seam for seam in seams_of(LAB) if seam.student_name not in keep]
     with contextlib.ExitStack() as stack:
-        for seam in seams_of(LAB):
-            if seam.student_name not in keep:
-                variant = SLOW[seam.student_name]
-                stack.enter_context(mock.patch.object(resolve(seam.owner), seam.attr,
-                                                      wrap(seam.student_name, variant) if wrap else variant))
+        if switch := fused_block_switch(planted):  # the engine's fused decode block would bypass the variants
+            stack.enter_context(mock.patch.object(*switch, False))
+        for seam in planted:
+            variant = SLOW[seam.student_name]
+            stack.enter_context(mock.patch.object(resolve(seam.owner), seam.attr,
+                                                  wrap(seam.student_name, variant) if wrap else variant))
         yield

@@ -5,9 +5,11 @@ killed outright (no finalizer runs) leaves no worker either."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import psutil
 import pytest
 
 from engine_core import LLM
-from engine_core.executor.multiproc_executor import EngineDeadError
+from engine_core.exceptions import EngineDeadError
 from parallel_helpers import child_processes
 
 pytestmark = pytest.mark.timeout(600)
@@ -39,6 +41,25 @@ def test_a_killed_worker_ends_the_engine_with_a_clear_error():
     assert not child_processes()
     with pytest.raises(EngineDeadError, match="SIGKILL"):
         llm.generate([[5, 6, 7]], use_tqdm=False)
+
+
+def test_a_worker_dying_between_steps_is_reported_at_once():
+    """The executor's monitor sees an idle engine's worker die and calls the failure callbacks (registered
+    before and after the death) with the reason; the next call raises it."""
+    llm = LLM("tiny-llama", **TP2)
+    reasons: list[str] = []
+    told = threading.Event()
+    llm.engine.executor.register_failure_callback(lambda reason: (reasons.append(reason), told.set()))
+    victim = llm.engine.executor.procs[1]
+    os.kill(victim.pid, signal.SIGKILL)
+    assert told.wait(60), "no failure callback within 60 s of the worker's death"
+    assert re.search(rf"worker 1 \(pid {victim.pid}\) died \(killed by SIGKILL\)", reasons[0])
+    late: list[str] = []
+    llm.engine.executor.register_failure_callback(late.append)  # registered after the death: told at once
+    assert late == reasons
+    with pytest.raises(EngineDeadError, match="SIGKILL"):
+        llm.generate([[5, 6, 7]], use_tqdm=False)
+    assert not child_processes()
 
 
 def test_a_hung_worker_times_out():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from engine_core import SamplingParams
-from engine_core.executor.multiproc_executor import EngineDeadError
+from engine_core.exceptions import EngineDeadError
 from parallel_helpers import child_processes, engine_logits, engine_pair, kv_cache_shape, stress_prompts
 from test_parallel_tp import test_greedy_tokens_equal_tp1_under_chunking_prefix_caching_and_preemption
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from engine_core import LLM
-from engine_core.executor.multiproc_executor import EngineDeadError
+from engine_core.exceptions import EngineDeadError
 from parallel_helpers import STRESS, child_processes, engine_pair, generate_tokens, stress_prompts
 
 pytestmark = pytest.mark.timeout(600)

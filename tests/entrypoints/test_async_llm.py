@@ -15,7 +15,8 @@ import pytest
 from engine_helpers import one_torch_thread
 
 from engine_core import LLM, SamplingParams
-from engine_core.entrypoints.async_llm import AsyncLLM, EngineDeadError, EngineStepError, QueueFullError
+from engine_core.entrypoints.async_llm import AsyncLLM, EngineStepError, QueueFullError
+from engine_core.exceptions import EngineDeadError
 
 pytestmark = [pytest.mark.usefixtures(one_torch_thread.__name__), pytest.mark.timeout(120)]
 ENGINE = dict(device="cpu", num_gpu_blocks=128)

@@ -22,8 +22,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 
-from engine_core.entrypoints.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from engine_core.engine import LLMEngine
+from engine_core.entrypoints.async_llm import AsyncLLM, QueueFullError
 from engine_core.entrypoints.openai.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice, ChatCompletionStreamChoice,
     ChatCompletionStreamResponse, ChatMessage, CompletionRequest, CompletionResponse, CompletionResponseChoice,
@@ -32,6 +32,7 @@ from engine_core.entrypoints.openai.protocol import (
 from engine_core.entrypoints.openai.serving import (
     ChoiceEvent, Merged, OpenAIError, TextTracker, Timings, build_sampling_params, choice_seed, param_of,
     run_choice, stop_strings)
+from engine_core.exceptions import EngineDeadError
 
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
 
@@ -102,6 +103,10 @@ def build_app(llm: AsyncLLM, served_model_name: str, chat_template: str | None =
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, e: OpenAIError) -> JSONResponse:
         return _error(e)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, e: EngineDeadError) -> JSONResponse:  # in flight when a worker died
+        return _error(OpenAIError(str(e), None, 503, "ServiceUnavailableError"))
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, e: Exception) -> JSONResponse:  # a fault of ours: still OpenAI's JSON
