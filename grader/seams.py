@@ -86,6 +86,9 @@ LAB14 = "14_find_the_bottleneck"
 ATTENTION_PLAN = "engine_core.models.attention.AttentionPlan"
 SAMPLER = "engine_core.worker.sampler.Sampler"
 INPUT_BATCH = "engine_core.worker.input_batch.InputBatch"
+LAB18 = "18_flash_attention"
+TILED_ATTENTION = "kernels.tiled_attention"
+PREFILL_ATTENTION = "kernels.triton.prefill_attention"
 
 SEAMS: tuple[Seam, ...] = (
     # engine call sites pass cdiv's two arguments positionally; the exercise names them
@@ -220,6 +223,13 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB14, SAMPLER, "__call__", "sample", _state(SAMPLER, "generator", "seeded", "_exponential_noise")),
     Seam(LAB14, INPUT_BATCH, "block_tables", "block_tables", _state(INPUT_BATCH, "block_table", "num_blocks")),
     Seam(LAB14, SCHEDULER, "_remove_finished", "remove_finished", _state(SCHEDULER, "running")),
+
+    # graded on their own: no engine path calls the PyTorch loop nest (the Triton prefill kernel is its GPU form)
+    Seam(LAB18, TILED_ATTENTION, "tiled_attention", "tiled_attention"),
+    Seam(LAB18, TILED_ATTENTION, "causal_kv_tiles", "causal_kv_tiles"),
+    # the Triton backend's prefill attention: the engine calls it for every prefill chunk
+    Seam(LAB18, PREFILL_ATTENTION, "paged_attention", "paged_attention",
+         helpers=(f"{PREFILL_ATTENTION}._prefill_kernel", f"{KERNELS_REFERENCE}.paged_attention")),
 )
 
 
