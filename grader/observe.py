@@ -3,9 +3,13 @@
     expect_equal(actual, expected, message)
     expect_close(actual, expected, message, rtol=..., atol=...)
     expect_raises(exc_type, fn, *args, match=..., message=...)
+    expect_prediction(actual, expected, message, rtol=..., atol=...)
 
 Self-grading (no recorder): each compares at once and raises AssertionError with the message,
 the expected and the got value (both normalized to plain data, shown as Python literals).
+A graded prediction is the exception: its failure says which way and roughly how far the answer
+is off, never the expected value, which only the instructor's autograde run prints (its output
+is nbgrader's feedback after grading; the solution notebook has it too).
 
 Recording (batch grading and its trusted reference run; grader/plugin.py installs a `Recorder`
 per run and marks each test's start and end): each call also appends an observation of the
@@ -20,6 +24,7 @@ import dataclasses
 import enum
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -28,7 +33,8 @@ from typing import Any, Callable
 from grader.delegation import DelegationError
 
 SENTINEL = Ellipsis  # the kit's stand-in for an expected value or a message: record only
-KINDS = ("equal", "close", "raises")
+KINDS = ("equal", "close", "raises", "prediction")
+AUTOGRADE = "autograde"  # NBGRADER_EXECUTION in the instructor's autograde run (not in Validate)
 
 
 # ---- normalized values -------------------------------------------------------------------------
@@ -99,6 +105,15 @@ def _numbers(value: Any) -> tuple[list[int], list[float]] | None:
     return None
 
 
+def index_in(flat: int, shape: list[int]) -> str:
+    """The index of element `flat` in a row-major `shape`, as a learner writes it: [3] or [1, 2]."""
+    index = []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size) if size else (flat, 0)
+        index.append(i)
+    return "[" + ", ".join(str(i) for i in reversed(index)) + "]"
+
+
 def close(actual: Any, expected: Any, rtol: float, atol: float) -> tuple[bool, str]:
     """(close?, where not): same shape and |a - e| <= atol + rtol * |e| everywhere (NaN is never close)."""
     got, want = _numbers(actual), _numbers(expected)
@@ -108,8 +123,73 @@ def close(actual: Any, expected: Any, rtol: float, atol: float) -> tuple[bool, s
         return False, f"shape {got[0]}, expected shape {want[0]}"
     for i, (a, e) in enumerate(zip(got[1], want[1])):
         if not abs(a - e) <= atol + rtol * abs(e):
-            return False, f"element {i} (flat): {a!r}, expected {e!r}, |difference| {abs(a - e):.3g} > {atol + rtol * abs(e):.3g}"
+            where = f"element {index_in(i, want[0])} of shape {want[0]}: " if want[0] else ""
+            return False, f"{where}{a!r}, expected {e!r}, |difference| {abs(a - e):.3g} > {atol + rtol * abs(e):.3g}"
     return True, ""
+
+
+# ---- predictions: which way, never the value -----------------------------------------------------
+
+def prediction_ok(actual: Any, expected: Any, rtol: float, atol: float) -> bool:
+    """Numbers (or lists of them) within the tolerance; anything else (names, tuples of names) equal."""
+    return close(actual, expected, rtol, atol)[0] if _numbers(expected) is not None else same(actual, expected)
+
+
+def how_far(a: float, e: float) -> str:
+    """Which way `a` misses `e` and a band of how far, never `e`: "too low by more than 10%"."""
+    if not math.isfinite(a):
+        return "not a finite number"
+    if a == e:
+        return "right"
+    way = "too high" if a > e else "too low"
+    if e == 0:
+        return way
+    if a != 0 and (a > 0) != (e > 0):
+        return "the wrong sign"
+    off = abs(a - e) / abs(e)
+    ratio = abs(a / e)
+    if ratio >= 10 or ratio <= 0.1:
+        return f"{way} by more than a factor 10"
+    if ratio >= 2 or ratio <= 0.5:
+        return f"{way} by more than a factor 2"
+    return f"{way} by {'more than 10%' if off > 0.1 else 'less than 10%'}"
+
+
+def _tolerance(rtol: float, atol: float) -> str:
+    parts = ([f"{rtol * 100:.3g}%"] if rtol else []) + ([f"+-{atol:g}"] if atol else [])
+    return "passes when exact" if not parts else "passes within " + " + ".join(parts)
+
+
+def prediction_hint(actual: Any, expected: Any, rtol: float, atol: float) -> str:
+    """Where a prediction misses, element by element, without the expected value."""
+    got, want = _numbers(actual), _numbers(expected)
+    if want is not None:
+        if got is None:
+            return "not a number (or a list of numbers) as asked"
+        if got[0] != want[0]:
+            return f"shape {got[0]}, the question asks for shape {want[0]}"
+        misses = [(i, how_far(a, e)) for i, (a, e) in enumerate(zip(got[1], want[1]))
+                  if not abs(a - e) <= atol + rtol * abs(e)]
+        tol = _tolerance(rtol, atol)
+        if not want[0]:
+            return f"{misses[0][1]} ({tol})"
+        return "; ".join(f"element {index_in(i, want[0])}: {far}" for i, far in misses) + f" ({tol} each)"
+    if isinstance(expected, list) and isinstance(actual, list) and len(expected) == len(actual):
+        return "; ".join(f"element [{i}]: {'right' if same(a, e) else 'wrong'}"
+                         for i, (a, e) in enumerate(zip(actual, expected)))
+    if isinstance(expected, list) and isinstance(actual, list):
+        return f"{len(actual)} items, the question asks for {len(expected)}"
+    return "not the answer"
+
+
+def explain_prediction(message: str, expected: Any, got: Any, rtol: float, atol: float) -> str:
+    """A prediction's failure text: the question, your answer, which way it is off. The expected value only
+    in the instructor's autograde run, whose output nbgrader hands back as feedback after grading."""
+    text = (f"{message}\n  got:      {render(got)}\n  {prediction_hint(got, expected, rtol, atol)}; the expected "
+            f"value is not shown before grading")
+    if os.environ.get("NBGRADER_EXECUTION") == AUTOGRADE:
+        text += f"\n  expected: {render(expected)} (nbgrader feedback)"
+    return text
 
 
 # ---- showing values ----------------------------------------------------------------------------
@@ -147,14 +227,39 @@ def _render(v: Any) -> str:
     return repr(v)
 
 
-def _first_difference(expected: Any, got: Any) -> str:
+def _difference(expected: Any, got: Any, path: str = "") -> str | None:
+    """The path to where two normalized values first differ, and what is there: a list index, a dict key,
+    an object's field ("['b'][1]: 2 instead of 3"); None where they are equal or differ as a whole."""
     if isinstance(expected, list) and isinstance(got, list):
         for i, (e, g) in enumerate(zip(expected, got)):
             if not same(e, g):
-                return f" (first difference at index {i}: {_render(g)} instead of {_render(e)})"
+                return _difference(e, g, f"{path}[{i}]") or f"{path}[{i}]: {_render(g)} instead of {_render(e)}"
         if len(expected) != len(got):
-            return f" ({len(got)} items instead of {len(expected)})"
-    return ""
+            return f"{path or 'the list'}: {len(got)} items instead of {len(expected)}"
+        return None
+    keyed = [("key" if "$dict" in v else "field" if "$object" in v else None) if isinstance(v, dict) else None
+             for v in (expected, got)]
+    if keyed[0] is None or keyed[0] != keyed[1]:
+        return None
+    want, have = ((dict((_render(k), v) for k, v in d["$dict"]) if "$dict" in d else
+                   {f".{k}": v for k, v in d["fields"].items()}) for d in (expected, got))
+    missing, extra = [k for k in want if k not in have], [k for k in have if k not in want]
+    if missing or extra:
+        return f"{path or 'the ' + keyed[0] + 's'}: missing {', '.join(missing) or 'none'}; unexpected " \
+               f"{', '.join(extra) or 'none'}"
+    for k in want:
+        if not same(want[k], have[k]):
+            step = k if keyed[0] == "field" else f"[{k}]"
+            return _difference(want[k], have[k], path + step) or \
+                f"{path}{step}: {_render(have[k])} instead of {_render(want[k])}"
+    return None
+
+
+def _first_difference(expected: Any, got: Any) -> str:
+    where = _difference(expected, got)
+    if where and re.match(r"\[\d+\]:", where):  # a flat list: "index 2", as a learner says it
+        where = "index " + where[1:].replace("]", "", 1)
+    return f" (first difference at {where})" if where else ""
 
 
 def explain(message: str, expected: Any, got: Any, detail: str = "") -> str:
@@ -241,6 +346,20 @@ def expect_close(actual: Any, expected: Any, message: str, *, rtol: float = 0.0,
         ok, where = close(got, want, rtol, atol)
         if not ok:
             raise AssertionError(explain(message, want, got, f"rtol={rtol:g}, atol={atol:g}: {where}"))
+
+
+def expect_prediction(actual: Any, expected: Any, message: str, *, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """A graded prediction: numbers within |a - e| <= atol + rtol * |e| (see `close`), anything else equal.
+
+    Its failure says which way and roughly how far (`prediction_hint`), never `expected`: a printed answer
+    would be pasted in, and the prediction would stop being one. `message` states the question with its
+    units; the tolerance is appended."""
+    __tracebackhide__ = True
+    got = normalize(actual)
+    want = expected if expected is SENTINEL else normalize(expected)
+    _observe("prediction", got, want, message, rtol=rtol, atol=atol)
+    if want is not SENTINEL and not prediction_ok(got, want, rtol, atol):
+        raise AssertionError(explain_prediction(message, want, got, rtol, atol))
 
 
 def expect_raises(exc_type: type[BaseException], fn: Callable, *args: Any, match: str | None = None,

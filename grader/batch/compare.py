@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grader.observe import close, explain, raises_ok, same
+from grader.observe import close, explain, explain_prediction, prediction_ok, raises_ok, same
 
 NOT_VERIFIABLE = "not verifiable"
 
@@ -44,15 +44,21 @@ def read_log(path: str | Path) -> dict[str, TestLog]:
     return logs
 
 
+def _tolerances(ref: dict) -> tuple[float, float]:
+    return float(ref.get("rtol", 0.0)), float(ref.get("atol", 0.0))
+
+
 def _matches(ref: dict, got: dict) -> tuple[bool, str]:
     """(match?, detail) of one learner observation against the reference run's."""
     kind = ref.get("kind")
     if kind == "equal":
         return same(got.get("actual"), ref.get("expected")), ""
     if kind == "close":
-        return close(got.get("actual"), ref.get("expected"), float(ref.get("rtol", 0.0)), float(ref.get("atol", 0.0)))
+        return close(got.get("actual"), ref.get("expected"), *_tolerances(ref))
     if kind == "raises":
         return raises_ok(ref["expected"], got.get("actual")), ""
+    if kind == "prediction":
+        return prediction_ok(got.get("actual"), ref.get("expected"), *_tolerances(ref)), ""
     return False, f"unknown kind {kind!r}"
 
 
@@ -71,6 +77,9 @@ def compare_test(ref: TestLog | None, got: TestLog | None) -> tuple[bool, str]:
             return False, (f"check {i + 1} of the test: your run reached the check on line {g.get('line')}, the "
                            f"reference run the one on line {r.get('line')}")
         ok, detail = _matches(r, g)
+        if not ok and r.get("kind") == "prediction":  # which way, never the value (it is in the solution notebook)
+            return False, explain_prediction(str(r.get("message", "")), r.get("expected"), g.get("actual"),
+                                             *_tolerances(r))
         if not ok:
             return False, explain(str(r.get("message", "")), r.get("expected"), g.get("actual"), detail)
     if len(got.observations) < len(ref.observations):

@@ -28,8 +28,8 @@ from grader.seams import module_of, seams_of
 KIT_PACKAGES = ("grader", "engine_core", "kernels")
 # expect function -> (position of the expected argument, its keyword, the other keywords that are expected values)
 EXPECTED_ARGUMENT = {"expect_equal": (1, "expected", ()), "expect_close": (1, "expected", ()),
-                     "expect_raises": (0, "exc_type", ("match",))}
-MESSAGE_POSITION = {"expect_equal": 2, "expect_close": 2, "expect_raises": None}
+                     "expect_prediction": (1, "expected", ()), "expect_raises": (0, "exc_type", ("match",))}
+MESSAGE_POSITION = {"expect_equal": 2, "expect_close": 2, "expect_prediction": 2, "expect_raises": None}
 KEPT_NAMES = frozenset({"pytestmark", "__all__"})
 
 

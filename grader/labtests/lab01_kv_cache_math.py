@@ -19,7 +19,7 @@ import math
 import pytest
 
 from grader.harness import GPUS, make_engine, memory
-from grader.observe import expect_close, expect_equal, expect_raises
+from grader.observe import expect_close, expect_equal, expect_prediction, expect_raises
 from grader.plug import plug
 
 LAB = "01_kv_cache_math"
@@ -276,7 +276,7 @@ def test_predicted_min_decode_ms(student):
     bandwidth = 15.05 ms (the FLOPs take 1.2 ms). Tolerance 3%: rounding the weights to 16 GB and the
     KV to 34.4 GB stays within 0.5%; forgetting the KV (4.8 ms), counting query heads (~60 ms) or
     taking GiB for GB (7.4% off) are outside."""
-    expect_close(student.predicted_min_decode_ms(),
+    expect_prediction(student.predicted_min_decode_ms(),
                  (PARAMS["Llama-3-8B"] * 2 + 64 * 4096 * 131_072) / 3.35e12 * 1e3,
                  "predicted_min_decode_ms(): Llama-3-8B bf16, one H100, batch 64 x 4096 keys, in milliseconds",
                  rtol=0.03)

@@ -19,7 +19,7 @@ from hypothesis import given, seed
 from hypothesis import strategies as st
 
 from grader.harness import BlockHash, BlockPool, Request, SamplingParams, build_manager, build_pool, lab_settings, run_engine
-from grader.observe import expect_close, expect_equal, expect_raises
+from grader.observe import expect_equal, expect_prediction, expect_raises
 from grader.plug import plug
 
 LAB = "02_paged_kv_blocks"
@@ -338,6 +338,6 @@ def test_predicted_waste_per_request(student):
     Tolerance: atol 0.5 accepts the continuous approximation block_size / 2 and rejects the bound
     (block_size - 1) or a whole block, which are off by 1.5 slots or more for every block size of 4 and up."""
     got = [student.predicted_waste_per_request(b) for b in (1, 4, 16, 128)]
-    expect_close(got, [0.0, 1.5, 7.5, 63.5],
+    expect_prediction(got, [0.0, 1.5, 7.5, 63.5],
                  "[predicted_waste_per_request(b) for b in (1, 4, 16, 128)]: the mean empty slots of a request's "
                  "last block, its length ending at any offset of that block with equal probability", atol=0.5)

@@ -18,7 +18,7 @@ import pytest
 
 from grader.harness import (BlockHash, FakeRunner, build_manager, build_pool, held_blocks, make_request,
                             make_scheduler, reference_output, run_engine)
-from grader.observe import expect_close, expect_equal
+from grader.observe import expect_equal, expect_prediction
 from grader.plug import plug
 
 LAB = "05_prefix_caching"
@@ -344,7 +344,7 @@ def test_predicted_hit_rate(student):
     The usual slips are further away: caching the partial block too (6 x 248 / 1848 = 0.805), leaving
     the warm-up request out of the queries (1440 / 1584 = 0.909), or counting the question tokens as hits."""
     assert abs(wave_hit_rate(248) - 1440 / 1848) < 1e-12, "the formula (a test bug)"
-    expect_close(float(student.predicted_hit_rate()), wave_hit_rate(248),
+    expect_prediction(float(student.predicted_hit_rate()), wave_hit_rate(248),
                  "the prefix-cache hit rate of one wave of the experiment with P = 248: a warm-up request, then 6 "
                  "together, each 248 shared tokens + a 16-token question, blocks of 16", atol=0.01)
 

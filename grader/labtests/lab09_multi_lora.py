@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from grader.harness import (CountLaunches, CountTorchCalls, FakeRunner, LoRAMapping, LoRARequest, LoRASlotPool, LoRAStack, SamplingParams,
                             adapter_path, lab_settings, make_engine, make_request, make_scheduler, preset_path, reference_output)
-from grader.observe import expect_close, expect_equal, expect_raises
+from grader.observe import expect_close, expect_equal, expect_prediction, expect_raises
 from grader.plug import plug
 
 if not torch.cuda.is_available():  # the learner's Triton kernel runs under the interpreter, chosen before triton loads
@@ -52,7 +52,7 @@ def test_predicted_adapter_bytes(student):
     Tolerance 0.5%: the answer is exact arithmetic, so this only admits rounding of intermediate
     values, and it rejects every slip worth catching: the smallest module left out (k_proj or v_proj
     is 6.25% of the total), MHA instead of GQA for k/v (+12.5%), MB for MiB (4.9%), fp32 (x2)."""
-    expect_close(student.predicted_adapter_bytes(), LLAMA3_8B_RANK16_BYTES,
+    expect_prediction(student.predicted_adapter_bytes(), LLAMA3_8B_RANK16_BYTES,
                  "predicted_adapter_bytes(): a rank-16 LoRA on q, k, v, o, gate, up, down of Llama-3-8B, bf16",
                  rtol=0.005)
 
@@ -67,7 +67,7 @@ def test_predicted_load_vs_decode_step(student):
     Tolerance 3%: admits rounding the given figures (16 GB for 16.06 GB is 0.4%, 3.35 TB/s as 3.3 is
     1.5%); rejects 80 MB for 80 MiB (4.9%), bits for bytes (x8), PCIe Gen4's 32 GB/s (x2), fp32
     weights (x0.5) or the adapter in fp32 (x2)."""
-    expect_close(student.predicted_load_vs_decode_step(),
+    expect_prediction(student.predicted_load_vs_decode_step(),
                  (LLAMA3_8B_RANK16_BYTES / PCIE_BYTES_PER_S) / (LLAMA3_8B_WEIGHT_BYTES / HBM_BYTES_PER_S),
                  "predicted_load_vs_decode_step(): (the rank-16 adapter's copy over PCIe Gen5 at 64 GB/s) / (one "
                  "decode step's read of Llama-3-8B's bf16 weights at 3.35 TB/s) on an H100", rtol=0.03)
@@ -81,7 +81,7 @@ def test_predicted_engine_steps(student):
     requests prefill together in step 1 (128 tokens, each emits its first token), then 7 decode steps:
     8 steps. Merged one adapter at a time, each adapter's 4 requests take the same 8 steps, in turn:
     32. Exact: these are counts the scheduler determines, not timings."""
-    expect_equal(tuple(student.predicted_engine_steps()), (8, 32),
+    expect_prediction(tuple(student.predicted_engine_steps()), (8, 32),
                  "predicted_engine_steps(): (steps unmerged and batched, steps merged one adapter at a time)")
 
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from grader.harness import (CountTorchCalls, FakeRunner, LLM, ModelRunnerOutput, Request, RequestStatus, SamplingParams,
                             check_invariants, fake_continuation, held_blocks, lab_settings, make_scheduler,
                             reference_output)
-from grader.observe import expect_close, expect_equal
+from grader.observe import expect_close, expect_equal, expect_prediction
 from grader.plug import plug
 
 LAB = "10_speculative_decoding"
@@ -45,7 +45,7 @@ def test_predicted_tokens_per_step(student):
 
     Tolerance 0.5%: exact arithmetic; it rejects the formula without the bonus token (alpha^k: 2.952,
     -12%), k * alpha + 1 (4.2), and 1 / (1 - alpha) (5, the limit of infinitely many drafts)."""
-    expect_close(student.predicted_tokens_per_step(), _tokens_per_step(ALPHA, K_PRED),
+    expect_prediction(student.predicted_tokens_per_step(), _tokens_per_step(ALPHA, K_PRED),
                  "predicted_tokens_per_step(): expected tokens one verify step emits, k = 4 drafts, each accepted "
                  "with probability 0.8 independently", rtol=0.005)
 
@@ -60,7 +60,7 @@ def test_predicted_breakeven_batch(student):
     Tolerance 2%: admits E rounded to 3.36 (0.3%); rejects k rows per request instead of k + 1 (925),
     E without the bonus token (238), and the batch where the speculating step costs twice the weight read."""
     e = _tokens_per_step(ALPHA, K_PRED)
-    expect_close(student.predicted_breakeven_batch(), T_WEIGHTS_MS * (e - 1) / (PER_ROW_MS * (K_PRED + 1 - e)),
+    expect_prediction(student.predicted_breakeven_batch(), T_WEIGHTS_MS * (e - 1) / (PER_ROW_MS * (K_PRED + 1 - e)),
                  "predicted_breakeven_batch(): the batch size where speculation (k = 4, alpha = 0.8) stops paying "
                  "under t(rows) = 5 ms + 0.02 ms x rows", rtol=0.02)
 

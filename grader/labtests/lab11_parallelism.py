@@ -28,7 +28,7 @@ from engine_core.models.loader import CheckpointReader
 from engine_core.models import parallel_linear
 from engine_core.models.parallel_linear import COLUMN, PROJECTIONS, ROW, RowParallelLinear, VocabParallelEmbedding
 from engine_core.presets import preset_path
-from grader.observe import expect_close, expect_equal, expect_raises
+from grader.observe import expect_close, expect_equal, expect_prediction, expect_raises
 from grader.plug import plug
 from grader.worker_plug import plugged_workers, worker_calls
 
@@ -73,10 +73,10 @@ def test_predicted_tpot_tp16(student):
     """TP=16 over two nodes: 19.40 ms over 100 GbE (8.0 ms of HBM reads: 21.9 GB of weights and 4.8 GB of KV per
     GPU; 192 all-reduces of 59.5 us = 11.4 ms), 11.31 ms over InfiniBand (192 x 17.4 us = 3.3 ms of all-reduces)."""
     got = _tpot(student)
-    expect_close(got["tp16_ethernet"], _step_ms(ETHERNET, 16),
+    expect_prediction(got["tp16_ethernet"], _step_ms(ETHERNET, 16),
                  "predicted_tpot_ms()['tp16_ethernet']: TP=16, ring over 100 GbE (12.5 GB/s, 30 us), batch 8, "
                  "context 2048, ms", rtol=TPOT_RTOL)
-    expect_close(got["tp16_infiniband"], _step_ms(INFINIBAND, 16),
+    expect_prediction(got["tp16_infiniband"], _step_ms(INFINIBAND, 16),
                  "predicted_tpot_ms()['tp16_infiniband']: TP=16 over InfiniBand NDR (50 GB/s, 10 us), ms",
                  rtol=TPOT_RTOL)
 
@@ -87,9 +87,9 @@ def test_predicted_tpot_tp8(student):
     """TP=8 on NVLink: 17.06 ms (16.0 ms of HBM reads: 43.8 GB of weights and 9.7 GB of KV per GPU; 192
     all-reduces of 5.8 us); the pipeline TP=8 x PP=2 the same plus one send of the hidden states: 17.11 ms."""
     got = _tpot(student)
-    expect_close(got["tp8_replicas"], _step_ms(H100, 8), "predicted_tpot_ms()['tp8_replicas']: one TP=8 replica, ms",
+    expect_prediction(got["tp8_replicas"], _step_ms(H100, 8), "predicted_tpot_ms()['tp8_replicas']: one TP=8 replica, ms",
                  rtol=TPOT_RTOL)
-    expect_close(got["tp8_pp2"], _step_ms(H100, 8) + _send_ms(),
+    expect_prediction(got["tp8_pp2"], _step_ms(H100, 8) + _send_ms(),
                  "predicted_tpot_ms()['tp8_pp2']: TP=8 x PP=2, a token through both stages, ms", rtol=TPOT_RTOL)
 
 
@@ -98,7 +98,7 @@ def test_predicted_tpot_tp8(student):
 def test_predicted_winners(student):
     """Latency: TP=16 over InfiniBand (11.3 ms). Throughput: two replicas, 16 tokens per 17.06 ms (938 tokens/s),
     just ahead of the pipeline's 16 per 17.11 ms (the send), far ahead of TP=16 (8 per 11.3 ms: 707)."""
-    expect_equal(tuple(student.predicted_winners()), ("tp16_infiniband", "tp8_replicas"),
+    expect_prediction(tuple(student.predicted_winners()), ("tp16_infiniband", "tp8_replicas"),
                  "predicted_winners(): (the lowest TPOT, the most tokens per second on the 16 GPUs)")
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from grader.harness import (FakeRunner, HashRing, PriorityRequestQueue, ReplicaLoad, LatencyMetrics, SamplingParams,
                             make_engine, make_request, make_router, make_scheduler, reference_output)
-from grader.observe import expect_close, expect_equal, expect_raises
+from grader.observe import expect_close, expect_equal, expect_prediction, expect_raises
 from grader.plug import plug
 
 LAB = "12_serving"
@@ -58,10 +58,10 @@ def test_predicted_queueing(student):
     Tolerance 1%: exact arithmetic; rejects the sojourn time 1 / (mu - lam) = 0.5 s for the wait (share
     0.909, 2.3% off; 4.0 waiting), the utilization 0.8 for the share, and Lq = rho^2/(1-rho) misread."""
     wq = MM1_LAMBDA / (MM1_MU * (MM1_MU - MM1_LAMBDA))
-    expect_close(student.predicted_queueing_share(), wq / (wq + MM1_PREFILL_S),
+    expect_prediction(student.predicted_queueing_share(), wq / (wq + MM1_PREFILL_S),
                  "predicted_queueing_share(): M/M/1, lam = 8/s, mu = 10/s, 50 ms prefill: mean wait / mean TTFT",
                  rtol=0.01)
-    expect_close(student.predicted_mean_waiting(), MM1_LAMBDA * wq,
+    expect_prediction(student.predicted_mean_waiting(), MM1_LAMBDA * wq,
                  "predicted_mean_waiting(): the same queue, Little's law: mean number of requests waiting", rtol=0.01)
 
 
@@ -72,7 +72,7 @@ def test_predicted_replicas(student):
 
     Tolerance 0.5% (28 replicas): admits a coarse bisection; rejects sizing on throughput alone
     (10,000 x 0.18 = 1,800), the mean wait instead of the P99 (about 2,000), prefill or decode left out."""
-    expect_close(student.predicted_replicas(), _replicas_for_p99_ttft(),
+    expect_prediction(student.predicted_replicas(), _replicas_for_p99_ttft(),
                  "predicted_replicas(): 10,000 RPS, 2,000-token prompts, 500-token outputs, 25,000 prefill and 5,000 "
                  "decode tokens/s per replica, M/M/1 per replica, P99 TTFT <= 1 s", rtol=0.005)
 

@@ -19,7 +19,7 @@ import torch
 
 from grader.harness import (GPUS, CountTorchCalls, Int8LinearMethod, Linear, RTNLinearMethod, SamplingParams,
                             gguf_path, make_engine)
-from grader.observe import expect_close, expect_equal, expect_raises
+from grader.observe import expect_close, expect_equal, expect_prediction, expect_raises
 from grader.plug import plug
 
 LAB = "13_weight_quantization"
@@ -54,7 +54,7 @@ def test_predicted_w4a16_speedups(student):
                  "predicted_w4a16_speedups(): its keys, {'A100': {1: .., 128: ..}, 'H100': {1: .., 128: ..}}")
     for g in ("A100", "H100"):
         for m in (1, 128):
-            expect_close(got[g][m], want[g][m], f"predicted_w4a16_speedups()[{g!r}][{m}]: bf16 time / W4A16 time on "
+            expect_prediction(got[g][m], want[g][m], f"predicted_w4a16_speedups()[{g!r}][{m}]: bf16 time / W4A16 time on "
                          f"the roofline, K = N = 8192, M = {m}", rtol=0.02)
 
 
@@ -68,10 +68,10 @@ def test_predicted_70b_fp8_on_a100(student):
     The bytes within 1% (rounding the given figures); the count exact: GB for GiB (80e9: 3.0e9 bytes, 2
     requests), fp8 KV (12), fp16 weights (negative) all miss it."""
     left, requests, fp8 = student.predicted_70b_fp8_on_a100()
-    expect_close(left, 0.9 * 81920 * 2**20 - 68_976_648_192, "predicted_70b_fp8_on_a100()[0]: bytes left for the KV "
+    expect_prediction(left, 0.9 * 81920 * 2**20 - 68_976_648_192, "predicted_70b_fp8_on_a100()[0]: bytes left for the KV "
                  "cache beside Llama-2-70B's FP8 weights at gpu_memory_utilization 0.9 of an A100 80GB", rtol=0.01)
-    expect_equal(int(requests), 6, "predicted_70b_fp8_on_a100()[1]: 4,096-token requests whose bf16 KV fits there")
-    expect_equal(bool(fp8), False, "predicted_70b_fp8_on_a100()[2]: can an A100 run the FP8 GEMMs?")
+    expect_prediction(int(requests), 6, "predicted_70b_fp8_on_a100()[1]: 4,096-token requests whose bf16 KV fits there")
+    expect_prediction(bool(fp8), False, "predicted_70b_fp8_on_a100()[2]: can an A100 run the FP8 GEMMs?")
 
 
 # ---- task 2: per-channel / per-token int8 ---------------------------------------------------------

@@ -25,7 +25,7 @@ import torch
 from grader.harness import (GPUS, AttentionMetadata, AttentionPlan, CountTorchCalls, InputBatch, LayerKV,
                             ModelSpec, Request, Sampler, SamplingParams, make_engine, make_request,
                             make_scheduler, memory)
-from grader.observe import expect_close, expect_equal
+from grader.observe import expect_close, expect_equal, expect_prediction
 from grader.plug import plug
 from grader.slow_engine import slow_engine, variants
 
@@ -44,7 +44,7 @@ def _syncs(counted: CountTorchCalls) -> int:
 def test_predicted_decode_launches(student):
     """One decode step of 16 sequences through tiny-llama's 2 layers: the slow attention launches the decode
     op once per sequence and layer (16 x 2 = 32), the fixed one once per layer (2). Exact counts."""
-    expect_equal(tuple(student.predicted_decode_launches()), (32, 2),
+    expect_prediction(tuple(student.predicted_decode_launches()), (32, 2),
                  "predicted_decode_launches(): (decode-op launches of the slow engine, of the fixed one) in one "
                  "decode step of 16 sequences, tiny-llama (2 layers)")
 
@@ -54,7 +54,7 @@ def test_predicted_decode_launches(student):
 def test_predicted_kv_write_iterations(student):
     """One prefill step of 8 prompts of 24 tokens: the slow KV write runs one Python iteration per token and
     layer, 8 x 24 x 2 = 384. Exact."""
-    expect_equal(student.predicted_kv_write_iterations(), 384,
+    expect_prediction(student.predicted_kv_write_iterations(), 384,
                  "predicted_kv_write_iterations(): Python iterations of the slow write_kv in one prefill step of 8 "
                  "prompts of 24 tokens, tiny-llama (2 layers)")
 
@@ -66,7 +66,7 @@ def test_predicted_clone_bytes(student):
     slots: per layer K and V, each 512 x 16 slots x 2 KV heads x 16 dims x 4 bytes (fp32) = 524,288 bytes;
     x 2 tensors x 2 layers = 2,097,152 bytes. Tolerance 1%: rounding only; one tensor instead of two, or
     one layer, is off by 2x."""
-    expect_close(student.predicted_clone_bytes(), 2 * 2 * 512 * 16 * 2 * 16 * 4,
+    expect_prediction(student.predicted_clone_bytes(), 2 * 2 * 512 * 16 * 2 * 16 * 4,
                  "predicted_clone_bytes(): bytes copied by the slow attend's clone in one forward (tiny-llama, 512 "
                  "blocks of 16, fp32)", rtol=0.01)
 
@@ -677,12 +677,12 @@ def test_oom_hunt(student):
     expected = _expected_fixes()
     expect_equal(sorted(got), sorted(expected), "oom_fixes(): the configurations answered")
     for name, (limit, value) in expected.items():
-        expect_equal(got[name][0], limit, f"oom_fixes()[{name!r}]: the limit that breaks")
+        expect_prediction(got[name][0], limit, f"oom_fixes()[{name!r}]: the limit that breaks")
         if name == "A":  # graded on the headroom 1 - utilization: forgetting the logits is 0.3% of the utilization
-            expect_close(1 - got[name][1], 1 - value, "oom_fixes()['A']: 1 - the largest gpu_memory_utilization "
+            expect_prediction(1 - got[name][1], 1 - value, "oom_fixes()['A']: 1 - the largest gpu_memory_utilization "
                          "that fits (the headroom outside the budget, as a fraction of the GPU)", rtol=0.02)
         else:
-            expect_close(got[name][1], value, f"oom_fixes()[{name!r}]: the largest value of {limit} that fits",
+            expect_prediction(got[name][1], value, f"oom_fixes()[{name!r}]: the largest value of {limit} that fits",
                          rtol=0.005)
 
 
@@ -713,7 +713,7 @@ def test_hardware_numbers(student):
     got = student.hardware_numbers()
     expect_equal(sorted(got), sorted(HARDWARE), "hardware_numbers(): the keys asked for")
     for key, value in HARDWARE.items():
-        expect_close(got[key], value, f"hardware_numbers()[{key!r}] (SI units: bytes, bytes/s, FLOP/s)", rtol=0.10)
+        expect_prediction(got[key], value, f"hardware_numbers()[{key!r}] (SI units: bytes, bytes/s, FLOP/s)", rtol=0.10)
 
 
 @pytest.mark.points(2)
@@ -722,9 +722,9 @@ def test_slips_caught(student):
     """Two slips in circulation: "the H100 has 141 GB" (that is the H200; the H100 SXM has 80 GB) and "the A100
     80 GB at 1.5 TB/s" (1.555 TB/s is the A100 40 GB; the 80 GB moves 2.039 TB/s)."""
     got = student.slips()
-    expect_equal(got["gpu_with_141_gb"], "H200", "slips()['gpu_with_141_gb']: the GPU that has 141 GB")
-    expect_close(got["h100_gb"], 80, "slips()['h100_gb']: the H100 SXM's HBM in GB", rtol=0.10)
-    expect_close(got["a100_80gb_tb_per_s"], 2.039, "slips()['a100_80gb_tb_per_s']: the A100 80 GB's HBM bandwidth "
+    expect_prediction(got["gpu_with_141_gb"], "H200", "slips()['gpu_with_141_gb']: the GPU that has 141 GB")
+    expect_prediction(got["h100_gb"], 80, "slips()['h100_gb']: the H100 SXM's HBM in GB", rtol=0.10)
+    expect_prediction(got["a100_80gb_tb_per_s"], 2.039, "slips()['a100_80gb_tb_per_s']: the A100 80 GB's HBM bandwidth "
                                                    "in TB/s", rtol=0.10)
-    expect_equal(got["a100_gb_at_1_5_tb_per_s"], 40, "slips()['a100_gb_at_1_5_tb_per_s']: the A100 whose HBM moves "
+    expect_prediction(got["a100_gb_at_1_5_tb_per_s"], 40, "slips()['a100_gb_at_1_5_tb_per_s']: the A100 whose HBM moves "
                                                      "about 1.5 TB/s (GB)")

@@ -72,7 +72,7 @@ def test_expect_equal_explains_expected_got_and_where():
 def test_expect_close_uses_the_tolerance_and_shapes():
     expect_close(1.0 + 1e-7, 1.0, "close", atol=1e-6)
     expect_close(torch.tensor([1.0, 2.0]), [1.0, 2.0 + 1e-9], "a tensor against a list", rtol=1e-6)
-    with pytest.raises(AssertionError, match="element 1"):
+    with pytest.raises(AssertionError, match=r"element \[1\] of shape \[2\]"):
         expect_close([1.0, 2.5], [1.0, 2.0], "off by 0.5", atol=0.1)
     with pytest.raises(AssertionError, match="shape"):
         expect_close([1.0], [1.0, 2.0], "wrong shape", atol=0.1)
@@ -142,3 +142,14 @@ def test_read_log_skips_malformed_lines(tmp_path):
     path = tmp_path / "log.jsonl"
     path.write_text('not json\n{"test": "t", "observations": [], "completed": true}\n{"test": 1}\n')
     assert list(read_log(path)) == ["t"]
+
+
+def test_failures_point_at_the_key_and_the_index_in_the_shape():
+    """A dict names the key that differs (nested too); a tensor the index in its shape, not a flat offset."""
+    with pytest.raises(AssertionError, match=r"first difference at \['rank 1'\]\['w'\]\[1\]: 5 instead of 4\)"):
+        expect_equal({"rank 0": {"w": [1, 2]}, "rank 1": {"w": [3, 5]}},
+                     {"rank 0": {"w": [1, 2]}, "rank 1": {"w": [3, 4]}}, "shards")
+    with pytest.raises(AssertionError, match=r"missing 'b'; unexpected 'c'"):
+        expect_equal({"a": 1, "c": 2}, {"a": 1, "b": 2}, "keys")
+    with pytest.raises(AssertionError, match=r"element \[3, 1\] of shape \[4, 2\]"):
+        expect_close(torch.tensor([[0.0, 0.0]] * 3 + [[0.0, 1.0]]), torch.zeros(4, 2), "rows", atol=1e-6)
