@@ -65,6 +65,7 @@ WORKLOAD = [("a", 9, 6), ("b", 4, 5), ("c", 13, 3)]  # (request, prompt length, 
 
 
 @pytest.mark.points(1)
+@pytest.mark.task("engine")
 @pytest.mark.end_to_end
 def test_the_scheduler_sizes_block_tables_with_it(student):
     """Your function is the engine's `cdiv`: the scheduler sizes every block table with it. Three requests

@@ -204,7 +204,7 @@ def test_recompute_preemption(student):
 
 
 @pytest.mark.points(2)
-@pytest.mark.task("preempt")
+@pytest.mark.task("swap")
 def test_swap_preemption(student):
     """Swap: the KV copy is planned in out.swap_out (by your swap_out), the victim keeps its progress and
     joins `swapped` in (priority, arrival) order, so the most important request comes back first.

@@ -307,7 +307,7 @@ def _shared_prompt_workload():
 
 
 @pytest.mark.points(2)
-@pytest.mark.task("get_computed_blocks")
+@pytest.mark.task("end_to_end")
 @pytest.mark.end_to_end
 def test_hit_rate_shared_system_prompt(student):
     """Five 50-token prompts share a 40-token system prompt; the first runs alone, then the other four.

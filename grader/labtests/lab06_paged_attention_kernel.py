@@ -271,7 +271,7 @@ def greedy_tokens(device, backend):
 
 
 @pytest.mark.points(3)
-@pytest.mark.task("paged_attention_decode")
+@pytest.mark.task("engine")
 @pytest.mark.end_to_end
 def test_engine_generates_reference_tokens(student, monkeypatch):
     """The engine with the learner's launcher as its decode op gives the reference engine's greedy
@@ -299,7 +299,7 @@ def test_engine_generates_reference_tokens(student, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.perf
 @pytest.mark.points(2)
-@pytest.mark.task("paged_attention_decode")
+@pytest.mark.task("throughput")
 def test_decode_throughput_vs_reference(student):
     """On a CUDA device: correct first, then at least 0.8x the reference Triton kernel's throughput
     (medians of alternating timings, num_splits=1 for both) on a batch that fills the GPU, and the

@@ -595,7 +595,7 @@ def reference_tokens():
 
 
 @pytest.mark.points(3)
-@pytest.mark.task("paged_attention_decode")
+@pytest.mark.task("engine")
 @pytest.mark.end_to_end
 def test_engine_with_your_split_kernel(student, monkeypatch):
     """tiny-llama with the learner's launcher as the engine's decode op and every decode-op call forced to 3
@@ -634,7 +634,7 @@ def test_engine_with_your_split_kernel(student, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.perf
 @pytest.mark.points(2)
-@pytest.mark.task("paged_attention_decode")
+@pytest.mark.task("throughput")
 def test_split_beats_unsplit_at_32k(student):
     """On CUDA: batch 1 x 32,768 tokens, 32 query heads on 8 KV heads of 128, bf16: your kernel with the
     contract's split count for this device (64 on an H100) must run at least 2x as fast as your own kernel with

@@ -544,7 +544,7 @@ HOT = "You are a support agent for ACME. " * 4
 
 
 @pytest.mark.points(2)
-@pytest.mark.task("bounded_load")
+@pytest.mark.task("end_to_end")
 @pytest.mark.end_to_end
 def test_router_balance_and_affinity(student):
     """Through the real router's `choose`: 60 requests, 4 of 5 sharing a hot system prompt, each in
