@@ -10,8 +10,8 @@ call here is valid. Prefill attention reads the blocks in place too, 8 query row
 or bf16 (bf16 rounded at every step where the model's PyTorch formula rounds) and are tested against
 those formulas.
 
-The library is built on first use (`build.py`); if that fails, `load()` warns once with the
-reason and returns None, and the dispatch in `kernels` keeps the reference ops.
+The library is built on first use (`build.py`: GCC or clang, OpenMP where it links); if that fails, `load()`
+warns once in one line with the reason and returns None, and the dispatch in `kernels` keeps the reference ops.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 from torch.profiler import record_function
 
 from kernels import reference
-from kernels.cpu.build import BuildError, build
+from kernels.cpu.build import BuildError, build, detected
 
 __all__ = ["DecodeAttentionBlock", "load", "load_error", "paged_attention", "paged_attention_decode",
            "reshape_and_cache", "rms_norm", "rotary_embedding", "silu_and_mul"]
@@ -39,16 +39,21 @@ _ITEMS_PER_THREAD = 4  # decode work items per thread, at least, for the dynamic
 
 
 def load() -> ctypes.CDLL | None:
-    """The library (built and loaded once per process), or None with a one-time warning saying why."""
+    """The library (built and loaded once per process), or None with a one-line warning saying why; a build
+    without OpenMP says once that it runs on one thread and how to get threads."""
     global _lib, _load_error
     if _lib is None and _load_error is None:
         try:
-            lib = ctypes.CDLL(str(build()))
+            toolchain = detected()
+            lib = ctypes.CDLL(str(build(toolchain=toolchain)))
         except (BuildError, OSError) as e:
             _load_error = str(e)
-            warnings.warn(f"kernels.cpu: the C kernels are unavailable, CPU tensors use the slower PyTorch "
-                          f"reference ops. Reason: {e}", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"kernels.cpu: the C kernels are unavailable, CPU tensors use the slower PyTorch reference "
+                          f"ops: {_load_error.splitlines()[0]}", RuntimeWarning, stacklevel=2)
             return None
+        if toolchain.openmp_flags is None:
+            warnings.warn(f"kernels.cpu: {toolchain.cc} built the C kernels without OpenMP, so they run on one "
+                          f"thread: {toolchain.openmp_hint}", RuntimeWarning, stacklevel=2)
         _declare(lib)
         _lib = lib
     return _lib

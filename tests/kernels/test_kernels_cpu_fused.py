@@ -85,11 +85,13 @@ def test_block_refuses_a_qkv_of_another_shape() -> None:
 
 
 def test_the_engine_fuses_decode_steps_unless_a_seam_is_replaced(monkeypatch) -> None:
-    """Decode steps take the fused block; with `AttentionPlan.write_kv` replaced (lab 14's seam) the replacement
-    runs on every layer instead, and the greedy tokens are the same either way."""
+    """Decode steps take the fused block; with `AttentionPlan.write_kv` replaced (lab 14's seam) and the block
+    switched off as the grader switches it (`grader.seams.fused_block_switch`), the replacement runs on every
+    layer instead, and the greedy tokens are the same either way."""
     from engine_core.engine import LLMEngine
     from engine_core.models.attention import AttentionPlan
     from engine_core.request import SamplingParams
+    from grader.seams import LAB14, fused_block_switch, seams_of
 
     engine = LLMEngine.from_kwargs("tiny-llama", dtype="float32")
     blocks, writes = [], []
@@ -107,6 +109,7 @@ def test_the_engine_fuses_decode_steps_unless_a_seam_is_replaced(monkeypatch) ->
     layers = len(engine.runner.model.layers)
     assert len(blocks) == 5 * layers  # 5 decode steps after the prefill, every layer
     monkeypatch.setattr(AttentionPlan, "write_kv", lambda self, *a: writes.append(1) or real_write(self, *a))
+    monkeypatch.setattr(*fused_block_switch(seams_of(LAB14)), False)
     blocks.clear()
     assert generate("seam") == fused
     assert not blocks and len(writes) == 6 * layers

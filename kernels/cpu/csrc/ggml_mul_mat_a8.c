@@ -28,21 +28,6 @@
 
 enum { QK = 32, TILE = 16, TOKENS = 4 };
 
-static inline float f16_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-    uint32_t u;
-    float f;
-    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
-        f = ldexpf((float)man, -24);
-        memcpy(&u, &f, 4);
-        u |= sign;
-    } else {
-        u = sign | (exp == 31 ? 0x7F800000u | man << 13 : (exp + 112) << 23 | man << 13);
-    }
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 #ifdef GGML_A8_VNNI
 /* One activation row -> int8 blocks, each block's step d and step * sum s (32 values: two vectors). */
 static void quantize_row_q8_1(const float *x, int64_t k, int8_t *q, float *d, float *s) {
@@ -140,6 +125,21 @@ static void compute_tile(const uint8_t *w, const uint16_t *dw, const uint16_t *m
     }
 }
 #else
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t u;
+    float f;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        f = ldexpf((float)man, -24);
+        memcpy(&u, &f, 4);
+        u |= sign;
+    } else {
+        u = sign | (exp == 31 ? 0x7F800000u | man << 13 : (exp + 112) << 23 | man << 13);
+    }
+    memcpy(&f, &u, 4);
+    return f;
+}
+
 /* The same sums, one weight at a time (CPUs without AVX512-VNNI). */
 static void compute_tile(const uint8_t *w, const uint16_t *dw, const uint16_t *mw, int bits, Acts a, int64_t t0,
                          int T, float out[TOKENS][TILE]) {

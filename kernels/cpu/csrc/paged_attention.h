@@ -107,7 +107,7 @@ int FN(paged_attention)(T *out, const T *query, const T *key_cache, const T *val
     int64_t *first_tile = malloc((num_seqs + 1) * sizeof(int64_t)); /* the sequences' tile counts, summed */
     if (!first_tile) return KERNELS_CPU_NO_MEMORY;
     first_tile[0] = 0;
-    int64_t work = 0;
+    int64_t work __attribute__((unused)) = 0; /* read only by OpenMP's `if` clause */
     for (int64_t s = 0; s < num_seqs; s++) {
         const int64_t q_len = query_start_loc[s + 1] - query_start_loc[s];
         if (q_len < 0 || q_len > seq_lens[s]) {

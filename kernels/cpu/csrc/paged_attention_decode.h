@@ -131,7 +131,7 @@ int FN(paged_attention_decode)(T *out, const T *query, const T *key_cache, const
     int status = 0;
     /* Threads only where the work outweighs waking them (tens of microseconds, more when another process
      * holds the other core): a batch-1 step over a short context is a few microseconds of arithmetic. */
-    int64_t context = 0;
+    int64_t context __attribute__((unused)) = 0; /* read only by OpenMP's `if` clause */
     for (int64_t s = 0; s < num_seqs; s++) context += seq_lens[s];
 #pragma omp parallel for schedule(dynamic, 1) if (items > 1 && context * num_heads >= PARALLEL_MIN_WORK)
     for (int64_t i = 0; i < items; i++) {
