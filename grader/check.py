@@ -19,6 +19,8 @@ from grader.labs import check_lab_name, official_tests
 from grader.loader import module_from_namespace
 from grader.results import PASSED, SKIPPED, TestResult
 from grader.runner import run_tests, stderr_to_stdout
+from grader.without_triton import REASON as NO_TRITON
+from grader.without_triton import ROUTES, is_triton_skip
 
 NEEDS_GPU = "needs a GPU"
 
@@ -39,7 +41,19 @@ def _needs_gpu(result: TestResult) -> bool:
     return result.status == SKIPPED and "CUDA" in result.message
 
 
+def _needs_linux(result: TestResult) -> bool:
+    """A Triton task on a machine without triton (grader/without_triton.py)."""
+    return result.status == SKIPPED and is_triton_skip(result.message)
+
+
+def _elsewhere(result: TestResult) -> bool:
+    """Skipped here for want of a GPU or of triton: gradable on another machine, no fault of the code."""
+    return _needs_gpu(result) or _needs_linux(result)
+
+
 def _format(result: TestResult) -> str:
+    if _needs_linux(result):
+        return f"[LINUX] {result.name} ({_pts(result.max_points)}): {NO_TRITON}"
     if _needs_gpu(result):
         return (f"[GPU ] {result.name} ({_pts(result.max_points)}): {NEEDS_GPU}: 0 of "
                 f"{result.max_points:g} points here")
@@ -77,7 +91,8 @@ def check(lab: str, namespace: dict[str, Any], tests: Sequence[str] | None = Non
     """Grades `tests` (default: all of the lab's tests) on the names defined in `namespace`.
 
     `raise_on_failure`: default True except in a learner's live notebook (see the module doc).
-    A GPU-only test skipped on a CPU earns nothing here and says so; it raises only under nbgrader.
+    A GPU-only test skipped on a CPU, or a Triton test where triton is not installed, earns nothing here and
+    says so (with where to run it); it raises only under nbgrader.
     """
     __tracebackhide__ = True  # pytest then shows the learner only our message
     if not isinstance(namespace, dict):
@@ -99,15 +114,17 @@ def check(lab: str, namespace: dict[str, Any], tests: Sequence[str] | None = Non
     print(head)
     for result in results:
         print(_format(result))
+    if any(_needs_linux(r) for r in results):
+        print(f"-> {NO_TRITON}: {ROUTES}")
     not_passed = [r for r in results if r.status != PASSED]
-    gpu_only = all(_needs_gpu(r) for r in not_passed)
+    elsewhere_only = all(_elsewhere(r) for r in not_passed)
     if raise_on_failure is None:
-        raise_on_failure = not _in_notebook() and not (gpu_only and not os.environ.get("NBGRADER_EXECUTION"))
+        raise_on_failure = not _in_notebook() and not (elsewhere_only and not os.environ.get("NBGRADER_EXECUTION"))
     if not not_passed:
         return
     names = ", ".join(r.name for r in not_passed)
     if raise_on_failure:
         raise CheckFailed(f"{len(not_passed)} of {len(results)} tests did not pass: {names}")
-    if not gpu_only:
+    if not elsewhere_only:
         print(f"-> {len(not_passed)} of {len(results)} tests did not pass: at submission this cell earns 0 "
               f"until all of them pass.")

@@ -5,7 +5,8 @@
   `labs/NN_name/NN_name.ipynb::test_x`.
 - The `student` fixture is the module built from that notebook's graded cells (or the
   module a caller put in `config.stash[STUDENT_PROVIDER]`: check() and batch grading).
-- `points(n)` and `task(name)` markers; `gpu` / `perf` tests skip with a reason without CUDA.
+- `points(n)` and `task(name)` markers; `gpu` / `perf` tests skip with a reason without CUDA, `triton` tests
+  (the Triton tasks) with grader/without_triton.py's reason and routes where triton is not installed.
 - Every run ends with points earned out of points possible per task.
 - With an `Observing` plugin (batch grading) each test's `expect_*` observations are recorded,
   between a start and an end mark per test (grader/observe.py).
@@ -25,6 +26,9 @@ from grader.labs import import_tests, lab_of_notebook
 from grader.loader import StudentCodeError, load_notebook, manually_graded, read_cells
 from grader.observe import Recorder, set_recorder
 from grader.results import FAILED, PASSED, SKIPPED, TestResult, format_points_table
+from grader.without_triton import MARKER as TRITON_MARKER
+from grader.without_triton import REASON as NO_TRITON
+from grader.without_triton import ROUTES, is_triton_skip, triton_installed
 
 __all__ = [
     "pytest_configure",
@@ -43,6 +47,7 @@ MARKERS = [
     "task(name): the graded task the test belongs to (default: the test name without test_)",
     "gpu: needs a CUDA device (skipped with a reason where there is none)",
     "perf: a throughput target; runs only on a CUDA device, after correctness",
+    f"{TRITON_MARKER}: a Triton task (skipped with the reason and the routes where triton is not installed)",
     "end_to_end: runs the whole engine with the learner's functions plugged in (each must be called)",
 ]
 MAX_MESSAGE = 3000
@@ -111,6 +116,8 @@ def _cuda_available() -> bool:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker(TRITON_MARKER) is not None and not triton_installed():
+        pytest.skip(f"{NO_TRITON} ({ROUTES})")
     for name in ("gpu", "perf"):
         if item.get_closest_marker(name) is not None and not _cuda_available():
             pytest.skip(f"`{name}` test: needs a CUDA device (torch.cuda.is_available() is False here)")
@@ -185,6 +192,8 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
             if len(by_file) > 1:
                 terminalreporter.write_line(f"{file}:")
             terminalreporter.write_line(format_points_table(file_results))
+            if any(r.status == SKIPPED and is_triton_skip(r.message) for r in file_results):
+                terminalreporter.write_line(f"{NO_TRITON}: {ROUTES}")
             manual = _manual_points(Path(config.rootpath) / file)
             if manual:
                 answers = ", ".join(f"{grade_id} {points:g}" for grade_id, points in manual)

@@ -5,6 +5,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Iterable
 
+from grader.without_triton import is_triton_skip
+
 PASSED, FAILED, SKIPPED = "passed", "failed", "skipped"
 DELEGATED, UNVERIFIABLE = "delegated", "unverifiable"  # batch grading: uses the reference; no observations
 
@@ -34,12 +36,17 @@ def points_table(results: Iterable[TestResult]) -> list[tuple[str, float, float,
     earned: dict[str, float] = defaultdict(float)
     possible: dict[str, float] = defaultdict(float)
     notes: dict[str, list[str]] = defaultdict(list)
+    no_triton: dict[str, int] = defaultdict(int)
     results = list(results)
     for r in results:
         earned[r.task] += r.points
         possible[r.task] += r.max_points
-        if r.status != PASSED:
+        if r.status == SKIPPED and is_triton_skip(r.message):
+            no_triton[r.task] += 1
+        elif r.status != PASSED:
             notes[r.task].append(f"{r.name} {r.status}")
+    for task, n in no_triton.items():
+        notes[task].append(f"{n} test{'s' if n > 1 else ''} not gradable here: Triton needs Linux")
     rows = [(t, earned[t], possible[t], ", ".join(notes[t])) for t in possible]
     rows.append(("total", sum(earned.values()), sum(possible.values()), ""))
     return rows

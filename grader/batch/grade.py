@@ -47,6 +47,8 @@ from grader.batch.kit import kit_files, write_kit
 from grader.labs import REPO_ROOT, check_lab_name, official_tests, tests_path
 from grader.batch.report import write_html
 from grader.results import DELEGATED, FAILED, PASSED, SKIPPED, UNVERIFIABLE, Graded, TestResult
+from grader.without_triton import REASON as NO_TRITON
+from grader.without_triton import is_triton_skip
 
 Kit = dict[str, bytes]
 REFERENCE_TIMEOUT_S = 1800.0  # the trusted run of the solution: never cut short by a submission's limit
@@ -504,6 +506,9 @@ def grade_submission(sub: Submission, setup: Setup, reference: Reference, privat
         reason = "; ".join(bad[:5])
     else:
         reason = ""
+    no_triton = sum(r.status == SKIPPED and is_triton_skip(r.message) for r in results)
+    if no_triton:  # the grading machine has no triton: those tests earn nothing and the summary says why
+        reason = "; ".join(filter(None, [reason, f"{no_triton} Triton tests {NO_TRITON} (grade on Linux for them)"]))
     return Graded(sub.student, results, reason, notes=notes, manual=manual)
 
 

@@ -209,6 +209,7 @@ def test_predicted_last_step_kv_bytes(student):
 
 @pytest.mark.points(2)
 @pytest.mark.task("paged_attention_decode")
+@pytest.mark.triton
 def test_decode_one_block(student):
     """The smallest case: one sequence of 5 tokens in one block, one head."""
     decode_case(student, (5,), 1, 1, 16, 8, atol=FP32_ATOL)
@@ -216,6 +217,7 @@ def test_decode_one_block(student):
 
 @pytest.mark.points(2)
 @pytest.mark.task("paged_attention_decode")
+@pytest.mark.triton
 def test_decode_block_table_gather(student):
     """Several sequences over shuffled physical blocks, lengths ending mid-block and on a block
     boundary, contexts of more than one K/V tile."""
@@ -224,6 +226,7 @@ def test_decode_block_table_gather(student):
 
 @pytest.mark.points(2)
 @pytest.mark.task("paged_attention_decode")
+@pytest.mark.triton
 def test_decode_gqa(student):
     """Query head h reads KV head h // (num_heads // num_kv_heads): groups of 2, 3 and 8."""
     for num_heads, num_kv_heads in ((4, 2), (6, 2), (8, 1)):
@@ -233,6 +236,7 @@ def test_decode_gqa(student):
 
 @pytest.mark.points(2)
 @pytest.mark.task("paged_attention_decode")
+@pytest.mark.triton
 def test_decode_lengths_and_block_sizes(student):
     """Block sizes 1, 16 and 32; lengths 1, a block, a block + 1, several tiles, and 0 (an empty row,
     as a padded CUDA-graph batch has: zeros, not NaN); head_dim 32."""
@@ -243,6 +247,7 @@ def test_decode_lengths_and_block_sizes(student):
 
 @pytest.mark.points(2)
 @pytest.mark.task("paged_attention_decode")
+@pytest.mark.triton
 def test_decode_fp16_and_strided_query(student):
     """fp16 caches and a head-major query (`[H, num_seqs, D]` memory viewed as `[num_seqs, H, D]`): index
     the query and the output with their own strides, not with offsets computed from the shape.
@@ -273,6 +278,7 @@ def greedy_tokens(device, backend):
 @pytest.mark.points(3)
 @pytest.mark.task("engine")
 @pytest.mark.end_to_end
+@pytest.mark.triton
 def test_engine_generates_reference_tokens(student, monkeypatch):
     """The engine with the learner's launcher as its decode op gives the reference engine's greedy
     tokens and frees every block. Without CUDA only the decode op runs in the interpreter: the
@@ -300,6 +306,7 @@ def test_engine_generates_reference_tokens(student, monkeypatch):
 @pytest.mark.perf
 @pytest.mark.points(2)
 @pytest.mark.task("throughput")
+@pytest.mark.triton
 def test_decode_throughput_vs_reference(student):
     """On a CUDA device: correct first, then at least 0.8x the reference Triton kernel's throughput
     (medians of alternating timings, num_splits=1 for both) on a batch that fills the GPU, and the

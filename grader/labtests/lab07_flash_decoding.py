@@ -321,6 +321,7 @@ def _reference_splits(num_sms):
 @pytest.mark.points(2)
 @pytest.mark.task("choose_num_splits")
 @pytest.mark.end_to_end
+@pytest.mark.triton
 def test_engine_uses_your_policy(student, monkeypatch):
     """Your choose_num_splits as the engine's policy, on a runner pretending to have 132 SMs: the split count
     of every decode-op call equals the reference engine's. 2 sequences x 2 KV heads are 4 programs, far from
@@ -458,6 +459,7 @@ FP32_ATOL = 1e-4
 
 @pytest.mark.points(3)
 @pytest.mark.task("paged_attention_decode")
+@pytest.mark.triton
 def test_split_kernel_partials_and_lse(student):
     """What the launcher hands to merge_partials: partial outputs [num_seqs, H, S, D] and natural-log lse
     [num_seqs, H, S] in fp32, split s owning whole tiles of BLOCK_N tokens (an empty split: zeros and -inf).
@@ -488,6 +490,7 @@ SPLIT_CASES = [(1, 50), (2, 17), (3, 33), (4, 1), (5, 64), (6, 20), (7, 50), (8,
 
 @pytest.mark.points(3)
 @pytest.mark.task("paged_attention_decode")
+@pytest.mark.triton
 def test_split_kernel_1_to_16_splits(student):
     """num_splits 1 to 16 on contexts of 1 to 80 tokens (one sequence per launch, to keep the interpreter
     fast): a split of several tiles, splits of one tile, a short last split, empty splits; the output is
@@ -499,6 +502,7 @@ def test_split_kernel_1_to_16_splits(student):
 
 @pytest.mark.points(2)
 @pytest.mark.task("paged_attention_decode")
+@pytest.mark.triton
 def test_split_kernel_gqa_fp16_strided(student):
     """GQA 6 : 2 in fp32 with 3 splits, then fp16 caches and a head-major query (`[H, num_seqs, D]` memory
     viewed as `[num_seqs, H, D]`) with 4 splits. fp16 tolerance 4e-3: inputs exact in the oracle, one rounding
@@ -510,6 +514,7 @@ def test_split_kernel_gqa_fp16_strided(student):
 
 @pytest.mark.points(1)
 @pytest.mark.task("paged_attention_decode")
+@pytest.mark.triton
 def test_split_kernel_empty_row(student):
     """A seq_len-0 row (how the engine pads a decode batch to a captured CUDA-graph size): every split of it
     is empty, its output is zeros, not NaN, and its neighbours are unharmed."""
@@ -553,6 +558,7 @@ def _attention64(batch):
 
 @pytest.mark.points(2)
 @pytest.mark.task("paged_attention_decode")
+@pytest.mark.triton
 def test_split_kernel_fp16_keeps_fp32_partials(student):
     """fp16 query and caches: the partials and lse handed to merge_partials are fp32 all the same, and the output
     is right on logits near 100-215 where fp16 partials are not. There an lse stored in fp16 is a multiple of
@@ -597,6 +603,7 @@ def reference_tokens():
 @pytest.mark.points(3)
 @pytest.mark.task("engine")
 @pytest.mark.end_to_end
+@pytest.mark.triton
 def test_engine_with_your_split_kernel(student, monkeypatch):
     """tiny-llama with the learner's launcher as the engine's decode op and every decode-op call forced to 3
     splits (the policy replaced by the test): the reference engine's greedy tokens, no leaked block. Contexts
@@ -635,6 +642,7 @@ def test_engine_with_your_split_kernel(student, monkeypatch):
 @pytest.mark.perf
 @pytest.mark.points(2)
 @pytest.mark.task("throughput")
+@pytest.mark.triton
 def test_split_beats_unsplit_at_32k(student):
     """On CUDA: batch 1 x 32,768 tokens, 32 query heads on 8 KV heads of 128, bf16: your kernel with the
     contract's split count for this device (64 on an H100) must run at least 2x as fast as your own kernel with

@@ -413,6 +413,7 @@ def test_predicted_decode_speedup(student):
 @pytest.mark.perf
 @pytest.mark.points(2)
 @pytest.mark.task("fp8_decode_bytes")
+@pytest.mark.triton
 def test_fp8_decode_moves_half_the_bytes(student):
     """On CUDA: 64 sequences x 4096 tokens written through your write path into an fp8 (e4m3, per-head scales)
     and a bf16 cache; the engine's Triton decode over the fp8 cache reads half the KV bytes and must run at

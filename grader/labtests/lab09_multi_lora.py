@@ -313,6 +313,7 @@ SHRINK_ATOL = 1e-3
 
 @pytest.mark.points(2)
 @pytest.mark.task("bgmv_shrink")
+@pytest.mark.triton
 def test_bgmv_shrink_matches_the_oracle(student):
     """Decode rows, each with its own slot in any order, -1 rows all zeros, a rank below the
     16-wide tile, K not a multiple of the K tile; fp32 then fp16 inputs, the output float32. Then a rank of
@@ -334,6 +335,7 @@ def test_bgmv_shrink_matches_the_oracle(student):
 
 @pytest.mark.points(1)
 @pytest.mark.task("bgmv_shrink")
+@pytest.mark.triton
 def test_bgmv_shrink_one_launch_for_the_batch(student):
     """Every row of the step, whatever its adapter, in one launch of your kernel (Punica's point: no
     loop over adapters on the host); a rank-16 adapter padded to max_rank 32; no row, no work."""

@@ -6,3 +6,10 @@ weight-quantized GEMMs, twins of `kernels.quant_reference`; their tiles and spli
 
 Import these modules only through `kernels` (the dispatch), which imports them on first use:
 whether a kernel is compiled or interpreted is fixed when its module is imported."""
+
+import importlib.util
+
+if importlib.util.find_spec("triton") is None:  # macOS, Windows: triton publishes Linux wheels only
+    raise ModuleNotFoundError("kernels.triton needs triton, which publishes Linux wheels only and is not installed "
+                              "here: the cpu and torch backends run everything else; for the Triton kernels use a "
+                              "Linux machine or container, or a hosted GPU notebook (docs/hosted.md)", name="triton")
