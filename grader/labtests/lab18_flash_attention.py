@@ -205,18 +205,19 @@ def test_tiled_never_materialises_n_by_n(student):
 @pytest.mark.points(2)
 @pytest.mark.task("tiled_attention")
 def test_tiled_fp32_fp16_and_large_logits(student):
-    """fp32 and fp16 inputs come back in their dtype. fp16, 1,024 keys in tiles of 16: accumulated in fp32 the
-    output is off by its own fp16 rounding (<= 1e-3 here); an fp16 running sum reaches ~600 where fp16's spacing is
-    0.5, and the output drifts by several 1e-3. Logits near 1000 (inputs offset by 7): exp(1000) overflows, the
-    max must be taken out."""
+    """fp16 inputs come back in fp16. A zero query over 1,024 fp16 keys in tiles of 16: every logit is 0 and the
+    output is the mean of the values (about 0.03 in size). Accumulated in fp32 it is off by its own fp16 rounding
+    (3e-5 here); an fp16 running output rounds at every tile and is off by 2.6e-4: tolerance 1e-4. Logits near
+    1000 (fp32 inputs offset by 7): exp(1000) overflows, the max must be taken out."""
     q, k, v = _sequence(3, 1024, 2, 1, 16, seed=8, dtype=torch.float16)
-    q = q * 0.25  # logits within a few units of each other: every key weighs, the running sum grows large
+    q = q * 0  # every key weighs the same: the output is a long fp16 sum
     with plug(student, LAB, only=["tiled_attention"]):
         got16 = student.tiled_attention(q, k, v, SCALE, 16, 16)
     expect_equal(shape_of(got16), ["Tensor", [3, 2, 16], "float16"], "(type, shape, dtype) of tiled_attention on "
                  "fp16 query [3, 2, 16], key/value [1024, 1, 16]")
-    expect_close(got16.double(), _sdpa64(q, k, v, SCALE), "tiled_attention on fp16 inputs, the last 3 of 1,024 "
-                 "positions, tiles of 16, against float64 SDPA of the same fp16 numbers", atol=1e-3)
+    expect_close(got16.double(), _sdpa64(q, k, v, SCALE), "tiled_attention on fp16 inputs, a zero query (every "
+                 "logit 0) at the last 3 of 1,024 positions, tiles of 16, against float64 SDPA of the same fp16 "
+                 "numbers", atol=1e-4)
     q, k, v = _sequence(24, 40, 2, 2, 16, seed=9, dtype=torch.float32, offset=7.0)
     with plug(student, LAB, only=["tiled_attention"]):
         got = student.tiled_attention(q, k, v, 1.0, 16, 16)
@@ -459,12 +460,12 @@ def reference_run():
     """The reference engine's tokens and C's cached tokens, on its own ops (computed once per process)."""
     tokens, cached, leaked = _engine_run("auto")
     assert leaked == 0, "the reference engine leaked blocks (a test bug)"
-    assert cached == 32, f"request c was served {cached} cached tokens, not 32 (a test bug)"
+    assert cached == 32, "request c was not served its 32-token prefix from the cache (a test bug)"
     return tokens
 
 
 @pytest.mark.points(3)
-@pytest.mark.task("paged_attention")
+@pytest.mark.task("engine")
 @pytest.mark.end_to_end
 def test_engine_with_your_prefill_kernel(student, monkeypatch):
     """tiny-llama (4 query heads on 2 KV heads of 16, 2 layers) with your launcher as the Triton backend's prefill
@@ -494,7 +495,7 @@ def test_engine_with_your_prefill_kernel(student, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.perf
 @pytest.mark.points(2)
-@pytest.mark.task("paged_attention")
+@pytest.mark.task("throughput")
 def test_reaches_30_percent_of_sdpa(student):
     """On CUDA: 4 sequences of 2,048 tokens packed with cu_seqlens, 32 query heads on 8 KV heads of 128, bf16, the
     cache in 16-token blocks laid out in order: your kernel must run at >= 0.3x the speed of torch's SDPA

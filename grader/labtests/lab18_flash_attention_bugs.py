@@ -35,7 +35,7 @@ BUGS = [
     PlantedBug("tiles_ignore_the_prefix", "last_position = context_len + min(first_row + block_m, q_len) - 1",
                "last_position = min(first_row + block_m, q_len) - 1"),
     # the Triton kernel and its launcher
-    PlantedBug("kernel_missing_rescale", "acc = acc * alpha[:, None] + dot(", "acc = acc + dot("),
+    PlantedBug("kernel_missing_rescale", "acc = acc * alpha[:, None] + pv", "acc = acc + pv"),
     PlantedBug("kernel_causal_off_by_one", "(t[None, :] <= q_pos[:, None]) & t_mask[None, :]",
                "(t[None, :] <= q_pos[:, None] + 1) & t_mask[None, :]"),
     # a sequence's length taken from seq_lens: a chunk after a prefix reads and writes rows past its end in cu_seqlens
