@@ -32,6 +32,7 @@ from engine_core.lora.adapter import LoRAAdapter, load_adapter, merge_adapter
 from engine_core.lora.presets import adapter_path
 from engine_core.lora.request import LoRARequest
 from engine_core.models.config import ModelConfig
+from engine_core.presets import resolve_model
 
 
 def zipf_assignment(num_requests: int, num_adapters: int, alpha: float, seed: int) -> list[int]:
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if a.threads:
         torch.set_num_threads(a.threads)
     counts = [int(n) for n in a.num_adapters.split(",")]
-    vocab_size = ModelConfig.load(a.model).args.vocab_size
+    vocab_size = ModelConfig.load(resolve_model(a.model)).args.vocab_size
     w = workload_from_args(a, vocab_size)
     # KV blocks for the whole workload at once, sized explicitly: several engines share the device
     blocks = sum(-(-(len(p) + n) // 16) for p, n in zip(w.prompts, w.output_lens)) + 64

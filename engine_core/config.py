@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -111,10 +111,9 @@ class QuantizationConfig:
     # (models/quantization/packed.py); group_size -1 there is one group per row
     desc_act: bool = False  # GPTQ act-order: groups given by g_idx
     zeros_minus_one: bool = False  # GPTQ's original format stores each zero point minus one
-    # gguf: the GGUF file whose Q4_1 blocks are served (`quantization_config={"file": PATH}`), and the blocks
-    # by Hugging Face name once load_model has read them
+    # gguf: the GGUF file whose Q4_1 blocks are served (`quantization_config={"file": PATH}`; the blocks are read
+    # by models/quantization/scheme.py, never kept here)
     file: str | None = None
-    blocks: dict | None = field(default=None, compare=False, repr=False)
     # fp8 (models/quantization/fp8.py): one weight scale per "tensor" or "channel", activations per "tensor" or "token"
     weight_strategy: str | None = None
     activation_strategy: str | None = None

@@ -48,6 +48,7 @@ from engine_core.lora.adapter import LoRAAdapter
 from engine_core.lora.request import LoRARequest
 from engine_core.metrics import StepInfo
 from engine_core.models.config import ModelConfig, check_draft_model
+from engine_core.presets import resolve_model
 from engine_core.prompts import PromptType, parse_prompt
 from engine_core.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
 from engine_core.validation import check_int, check_real, fail
@@ -55,7 +56,7 @@ from engine_core.validation import check_int, check_real, fail
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.model_config = ModelConfig.load(config.model)
+        self.model_config = ModelConfig.load(resolve_model(config.model))
         args = self.model_config.args
         self.config = ResolvedConfig.resolve(config, args.max_position_embeddings, self.model_config.checkpoint_dtype)
         args.check_max_model_len(self.config.max_model_len)

@@ -85,7 +85,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine_core.validation", "engine_core.prompts", "engine_core.interrupts", "engine_core.guard",
      "engine_core.request", "engine_core.outputs", "engine_core.metrics", "engine_core.memory",
      "engine_core.presets", "engine_core.presets_real", "engine_core.cache", "engine_core.config",
-     "engine_core.exceptions",
+     "engine_core.exceptions", "engine_core.gguf_file",
      "engine_core.spec_decode",  # the n-gram proposer: token lists in, token lists out
      "engine_core.distributed"),  # leaves every layer above uses (process groups: torch only)
     ("engine_core.core", "engine_core.models"),  # the scheduler and its KV bookkeeping; the model and its layers
@@ -198,7 +198,9 @@ def test_the_folder_check_fails_on_a_planted_folder_back_arrow(edges):
     for src, dst in edges:
         assert dst in graph, dst
         graph[src] = graph[src] | {dst}
-    assert find_cycle(graph) is None or len(edges) == 1
+    engine = {m: {t for t in targets if t.startswith("engine_core")} for m, targets in graph.items()
+              if m.startswith("engine_core")}
+    assert len(edges) == 1 or find_cycle(engine) is None  # the two-edge case: no module cycle, only a folder one
     src, dst = edges[-1]
     assert any(folder_of(src) in v and folder_of(dst) in v for v in folder_violations(graph))
 

@@ -215,10 +215,14 @@ class ModelConfig:
     has_tokenizer: bool
 
     @classmethod
-    def load(cls, model: str) -> "ModelConfig":
-        """`model` is a preset name or a Hugging Face checkpoint folder. config.json is checked against
-        the weights' headers here, before anything is built (see `check_weights`)."""
-        path = resolve_model(model)
+    def load(cls, folder: str | Path) -> "ModelConfig":
+        """`folder`: a Hugging Face checkpoint folder (a preset name goes through `presets.resolve_model` first,
+        so parsing never builds a preset). config.json is checked against the weights' headers here, before
+        anything is built (see `check_weights`)."""
+        path = Path(folder)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model folder {str(path)!r} has no config.json (a preset name is resolved to its folder "
+                             f"by engine_core.presets.resolve_model)")
         hf_config = read_config(path)
         args = LlamaArgs.from_config(hf_config, source=str(path / "config.json"))
         check_weights(path, args, packed_quant_method(hf_config) is not None)
@@ -322,7 +326,7 @@ def check_draft_model(model: str, vocab_size: int, max_model_len: int) -> ModelC
     """The draft checkpoint's config, checked against the target: the same vocab_size (drafts are target
     token ids, q and p the same support) and a context of at least max_model_len."""
     try:
-        draft = ModelConfig.load(model)
+        draft = ModelConfig.load(resolve_model(model))  # a draft preset is built here, on first use
     except ValueError as error:
         raise ValueError(f"speculative_config['model']: {error}") from None
     if draft.args.vocab_size != vocab_size:

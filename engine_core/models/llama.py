@@ -17,7 +17,6 @@ residual + its output), so that one tensor is all a stage hands the next.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 from typing import Callable
@@ -29,16 +28,12 @@ from torch import nn
 from engine_core.models.attention import AttentionMetadata, AttentionPlan, PagedKVCache
 from engine_core.config import QuantizationConfig
 from engine_core.distributed.parallel_state import GroupCoordinator, ParallelContext
-from engine_core.models.config import LlamaArgs, packed_quant_method
+from engine_core.models.config import LlamaArgs
 from engine_core.models.linear import Linear
-from engine_core.models.loader import CheckpointReader, read_config
+from engine_core.models.loader import CheckpointReader
 from engine_core.models.lora import LoRAMapping
-from engine_core.models.quantization.gguf_q4_1 import (Q4_1_BLOCK_BYTES, Q4_1_BLOCK_WEIGHTS, Q4_1LinearMethod,
-                                                      gguf_a8_applies, read_gguf_blocks)
-from engine_core.models.quantization.gguf_q8_0 import Q8_0_BLOCK_BYTES, Q8_0_BLOCK_WEIGHTS, Q8_0LinearMethod
-from engine_core.models.quantization import (PACKED_METHODS, PackedLinearMethod, check_fp8_supported,
-                                            check_model_shapes, fused_tensors, get_linear_method,
-                                            resolve_packed_config)
+from engine_core.models.quantization.gguf_q8_0 import Q8_0LinearMethod
+from engine_core.models.quantization.scheme import WeightScheme
 from engine_core.models.parallel_linear import (COLUMN, ROW, ParallelLMHead, RowParallelLinear, TPShard,
                                                 VocabParallelEmbedding)
 
@@ -83,52 +78,17 @@ def _param(t: torch.Tensor | None) -> nn.Parameter | None:
     return None if t is None else nn.Parameter(t, requires_grad=False)
 
 
-def _linear(ckpt: CheckpointReader, names: list[str], bias: bool, rows: list[slice] | None = None,
-            quant: QuantizationConfig | None = None) -> Linear:
-    """One Linear over the checkpoint matrices `names` stacked along the output dimension; with `rows`,
-    only those rows of each (a column-parallel shard); quantized by `quant`'s scheme (None: dense)."""
-    rows = rows or [slice(None)] * len(names)
-    if quant is not None and quant.method in PACKED_METHODS:  # a GPTQ/AWQ checkpoint: no dense weight
-        tensors = fused_tensors(ckpt.get_stored, ckpt.has, names, quant)
-        return Linear(None, _param(torch.cat([ckpt.get(f"{n}.bias") for n in names])) if bias else None,
-                      PackedLinearMethod(quant, tensors, ckpt.dtype))
-    if quant is not None and quant.method == "gguf":  # the GGUF's Q4_1 blocks of each matrix, stacked along N
-        found = [quant.blocks.get(f"{n}.weight", ("none", None)) for n in names]
-        if any(kind != "Q4_1" for kind, _ in found):
-            raise ValueError(f"quantization_config['file'] {quant.file!r} has no Q4_1 tensor for {names}")
-        raw = [r for _, r in found]
-        k = raw[0].shape[1] // Q4_1_BLOCK_BYTES * Q4_1_BLOCK_WEIGHTS
-        return Linear(None, _param(torch.cat([ckpt.get(f"{n}.bias") for n in names])) if bias else None,
-                      Q4_1LinearMethod(torch.cat(raw).reshape(-1), sum(r.shape[0] for r in raw), k, ckpt.dtype))
-    parts = [ckpt.get(f"{n}.weight")[r] for n, r in zip(names, rows)]
-    weight = torch.cat(parts)
-    return Linear(_param(weight), _param(torch.cat([ckpt.get(f"{n}.bias")[r] for n, r in zip(names, rows)]))
-                  if bias else None, get_linear_method(quant, names[0], weight.shape[1], [p.shape[0] for p in parts]))
-
-
-def _gguf_head(quant: QuantizationConfig | None, embed: torch.Tensor, tied: bool) -> Linear | None:
-    """The tied LM head from the GGUF's Q8_0 embedding blocks, as llama.cpp serves it, where they can run
-    (`gguf_a8_applies`); None: the dense head."""
-    if quant is None or quant.method != "gguf" or not tied or not gguf_a8_applies(embed.device, embed.dtype):
-        return None
-    kind, raw = quant.blocks.get("model.embed_tokens.weight", ("none", None))
-    if kind != "Q8_0" or raw.shape != (embed.shape[0], embed.shape[1] // Q8_0_BLOCK_WEIGHTS * Q8_0_BLOCK_BYTES):
-        return None
-    return Linear(None, None, Q8_0LinearMethod(raw.reshape(-1), embed.shape[0], embed.shape[1], embed.dtype))
-
-
 def _sharded_linear(ckpt: CheckpointReader, prefix: str, projections: list[str], bias: bool,
-                    shards: dict[str, tuple[int, slice]] | None, tp: TPShard | None,
-                    quant: QuantizationConfig | None = None) -> Linear:
+                    shards: dict[str, tuple[int, slice]] | None, tp: TPShard | None, scheme: WeightScheme) -> Linear:
     """`prefix`'s `projections` as one Linear: whole, or (tp) as this rank's `shards` say: column-parallel
     (their rows, stacked; no communication) or one row-parallel projection (its input columns, then an
     all-reduce)."""
     names = [f"{prefix}.{p}" for p in projections]
     if tp is None:
-        return _linear(ckpt, names, bias, quant=quant)
+        return scheme.linear(ckpt, names, bias)
     dims = {shards[p][0] for p in projections}
     if dims == {COLUMN}:
-        return _linear(ckpt, names, bias, [shards[p][1] for p in projections], quant)
+        return scheme.linear(ckpt, names, bias, [shards[p][1] for p in projections])
     if dims == {ROW} and len(names) == 1:
         weight = _param(ckpt.get(f"{names[0]}.weight")[:, shards[projections[0]][1]].contiguous())
         return RowParallelLinear(weight, _param(ckpt.get(f"{names[0]}.bias")) if bias else None, tp.group)
@@ -146,7 +106,7 @@ def _num_heads(shard: tuple[int, slice] | None, head_dim: int, whole: int) -> in
 
 class Attention(nn.Module):
     def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, prefix: str, layer_idx: int,
-                 tp: TPShard | None = None, quant: QuantizationConfig | None = None) -> None:
+                 tp: TPShard | None, scheme: WeightScheme) -> None:
         super().__init__()
         self.layer_idx = layer_idx  # of its stage's KV cache
         d = args.head_dim
@@ -154,8 +114,9 @@ class Attention(nn.Module):
         self.num_heads = _num_heads(shards and shards["q_proj"], d, args.num_heads)
         self.num_kv_heads, self.head_dim = _num_heads(shards and shards["k_proj"], d, args.num_kv_heads), d
         self.scale = args.head_dim ** -0.5
-        self.qkv_proj = _sharded_linear(ckpt, prefix, ["q_proj", "k_proj", "v_proj"], args.qkv_bias, shards, tp, quant)
-        self.o_proj = _sharded_linear(ckpt, prefix, ["o_proj"], args.o_bias, shards, tp, quant)
+        self.qkv_proj = _sharded_linear(ckpt, prefix, ["q_proj", "k_proj", "v_proj"], args.qkv_bias, shards, tp,
+                                        scheme)
+        self.o_proj = _sharded_linear(ckpt, prefix, ["o_proj"], args.o_bias, shards, tp, scheme)
         self.q_norm = RMSNorm(ckpt.get(f"{prefix}.q_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(ckpt.get(f"{prefix}.k_norm.weight"), args.rms_norm_eps) if args.qk_norm else None
 
@@ -213,12 +174,12 @@ class Rope:
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
 
-    def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, prefix: str, tp: TPShard | None = None,
-                 quant: QuantizationConfig | None = None) -> None:
+    def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, prefix: str, tp: TPShard | None,
+                 scheme: WeightScheme) -> None:
         super().__init__()
         shards = tp.layer(args.num_heads, args.num_kv_heads, args.head_dim, args.intermediate_size) if tp else None
-        self.gate_up_proj = _sharded_linear(ckpt, prefix, ["gate_proj", "up_proj"], args.mlp_bias, shards, tp, quant)
-        self.down_proj = _sharded_linear(ckpt, prefix, ["down_proj"], args.mlp_bias, shards, tp, quant)
+        self.gate_up_proj = _sharded_linear(ckpt, prefix, ["gate_proj", "up_proj"], args.mlp_bias, shards, tp, scheme)
+        self.down_proj = _sharded_linear(ckpt, prefix, ["down_proj"], args.mlp_bias, shards, tp, scheme)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor,
                 silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None,
@@ -232,15 +193,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, i: int, kv_index: int | None = None,
-                 tp: TPShard | None = None, quant: QuantizationConfig | None = None) -> None:
+    def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, i: int, kv_index: int | None,
+                 tp: TPShard | None, scheme: WeightScheme) -> None:
         """Checkpoint layer `i`; `kv_index`: its layer of the KV cache (i unless a later pipeline stage)."""
         super().__init__()
         p = f"model.layers.{i}"
         self.input_norm = RMSNorm(ckpt.get(f"{p}.input_layernorm.weight"), args.rms_norm_eps)
-        self.attn = Attention(args, ckpt, f"{p}.self_attn", i if kv_index is None else kv_index, tp, quant)
+        self.attn = Attention(args, ckpt, f"{p}.self_attn", i if kv_index is None else kv_index, tp, scheme)
         self.post_attn_norm = RMSNorm(ckpt.get(f"{p}.post_attention_layernorm.weight"), args.rms_norm_eps)
-        self.mlp = MLP(args, ckpt, f"{p}.mlp", tp, quant)
+        self.mlp = MLP(args, ckpt, f"{p}.mlp", tp, scheme)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: PagedKVCache, plan: AttentionPlan,
                 only_output_rows: bool = False) -> torch.Tensor:
@@ -257,9 +218,10 @@ class LlamaForCausalLM(nn.Module):
     skips the last layer's attention and MLP for every other row. `compute_logits` is the LM head."""
 
     def __init__(self, args: LlamaArgs, ckpt: CheckpointReader, max_positions: int,
-                 parallel: ParallelContext | None = None, quant: QuantizationConfig | None = None) -> None:
+                 parallel: ParallelContext | None = None, scheme: WeightScheme | None = None) -> None:
         super().__init__()
-        self.args, self.quant = args, quant
+        scheme = scheme or WeightScheme()  # None: dense
+        self.args, self.quant = args, scheme.quant
         tp = TPShard(parallel.tp) if parallel is not None and parallel.tp.world_size > 1 else None
         self.tp = tp
         # the pipeline group when there are stages; the first stage embeds, the last norms and samples
@@ -273,12 +235,12 @@ class LlamaForCausalLM(nn.Module):
             self.embed = _param(self._vocab_rows(ckpt.get("model.embed_tokens.weight")))
         if self.is_first_stage and tp is not None:
             self.vocab_embed = VocabParallelEmbedding(self.embed, args.vocab_size, tp.group)
-        self.layers = nn.ModuleList(DecoderLayer(args, ckpt, i, i - self.start_layer, tp, quant)
+        self.layers = nn.ModuleList(DecoderLayer(args, ckpt, i, i - self.start_layer, tp, scheme)
                                     for i in range(self.start_layer, end))
         if self.is_last_stage:
             self.norm = RMSNorm(ckpt.get("model.norm.weight"), args.rms_norm_eps)
             self.lm_head = self.embed if tied else _param(self._vocab_rows(ckpt.get("lm_head.weight")))
-            head = _gguf_head(quant, self.lm_head, tied) if tp is None else None
+            head = scheme.lm_head(self.lm_head, tied) if tp is None else None
             if head is None:
                 head = Linear(self.lm_head) if tp is None else ParallelLMHead(self.lm_head, args.vocab_size, tp.group)
             self.lm_head_proj = head
@@ -352,15 +314,6 @@ def load_model(folder: str | Path, args: LlamaArgs, dtype: torch.dtype, device: 
     """Build the model from `folder`'s safetensors; `args` is its parsed config.json; `parallel`: the
     worker's shard (None: the whole model); `quant`: the projections' weight quantization (checked against
     the shapes before any tensor is read)."""
-    if quant is not None and quant.method in PACKED_METHODS:
-        quant = resolve_packed_config(folder, quant)
-    elif quant is not None and quant.method == "gguf":
-        quant = dataclasses.replace(quant, blocks=read_gguf_blocks(quant.file, args.num_heads, args.num_kv_heads))
-    elif (stored := packed_quant_method(read_config(folder))) is not None:
-        raise ValueError(f"checkpoint {str(folder)!r} is {stored}-quantized (config.json's quantization_config); "
-                         f"load it with quantization={stored!r}, got {None if quant is None else quant.method!r}")
-    check_model_shapes(quant, args)
-    if quant is not None and quant.method == "fp8":
-        check_fp8_supported(device)
+    scheme = WeightScheme.load(folder, quant, args, device)
     ckpt = CheckpointReader(folder, dtype, device)
-    return LlamaForCausalLM(args, ckpt, max_positions, parallel, quant).eval()
+    return LlamaForCausalLM(args, ckpt, max_positions, parallel, scheme).eval()

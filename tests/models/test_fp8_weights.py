@@ -17,6 +17,7 @@ from torch import nn
 from engine_core import LLM, SamplingParams
 from engine_core.config import EngineConfig, QuantizationConfig
 from engine_core.models import llama
+from engine_core.models.quantization import scheme
 from engine_core.models.linear import Linear
 from engine_core.models.quantization import Fp8LinearMethod, LinearMethodBase, UnquantizedLinearMethod, fp8
 from engine_core.models.quantization.fp8 import (check_fp8_supported, fp8_mm, fp8_mm_reference,
@@ -219,7 +220,7 @@ def test_engine_with_fp8_matches_the_fake_quantized_model(monkeypatch, model: st
         return FakeFp8(widths, weight_strategy, activation_strategy) if quant else UnquantizedLinearMethod()
 
     assert quantized != _tokens(model)  # the scheme really ran: fp8 changes these tiny models' greedy tokens
-    monkeypatch.setattr(llama, "get_linear_method", fake)
+    monkeypatch.setattr(scheme, "get_linear_method", fake)
     assert quantized == _tokens(model, quantization="fp8", quantization_config=options)
 
 
@@ -285,7 +286,7 @@ def test_an_unsupported_device_is_refused_before_any_weight_loads(monkeypatch) -
     def no_reading(*args, **kwargs):
         raise AssertionError("a checkpoint was opened before the device was checked")
 
-    monkeypatch.setattr(llama, "check_fp8_supported", refuse)
+    monkeypatch.setattr(scheme, "check_fp8_supported", refuse)
     monkeypatch.setattr(llama, "CheckpointReader", no_reading)
     with pytest.raises(ValueError, match=r"no fp8 on cpu"):
         LLM("tiny-llama", quantization="fp8", kv_cache_memory_bytes=2**22)

@@ -15,8 +15,8 @@ from engine_core import LLM, SamplingParams
 from engine_core.config import EngineConfig
 from engine_core.models.linear import Linear
 from engine_core.models.quantization import gguf_q4_1
-from engine_core.models.quantization.gguf_q4_1 import (Q4_1_BLOCK_BYTES, Q4_1_BLOCK_WEIGHTS, Q4_1LinearMethod,
-                                                       read_gguf_blocks)
+from engine_core.gguf_file import read_quant_blocks
+from engine_core.models.quantization.gguf_q4_1 import Q4_1_BLOCK_BYTES, Q4_1_BLOCK_WEIGHTS, Q4_1LinearMethod
 from engine_core.models.quantization.gguf_q8_0 import Q8_0LinearMethod, q8_0_parts
 from engine_core.presets_real import gguf_path, real_preset_path
 
@@ -33,7 +33,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def blocks() -> dict[str, torch.Tensor]:
-    found = read_gguf_blocks(str(gguf_path(NAME)), num_heads=9, num_kv_heads=3)
+    found = read_quant_blocks(str(gguf_path(NAME)), num_heads=9, num_kv_heads=3)
     assert sorted({kind for kind, _ in found.values()}) == ["Q4_1", "Q8_0"]
     return {name: raw for name, (_, raw) in found.items()}
 

@@ -16,7 +16,8 @@ import torch
 
 from engine_core.entrypoints.llm import LLM
 from engine_core.presets import resolve_model
-from engine_core.presets_real import gguf_path, hf_name, real_preset_path, unpermute_qk
+from engine_core.gguf_file import hf_name, unpermute_qk
+from engine_core.presets_real import gguf_path, real_preset_path
 from engine_core.request import SamplingParams
 
 NAME = "smollm2-135m-instruct"

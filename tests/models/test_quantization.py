@@ -18,6 +18,7 @@ from torch import nn
 from engine_core import LLM, SamplingParams
 from engine_core.config import EngineConfig, QuantizationConfig
 from engine_core.models import llama
+from engine_core.models.quantization import scheme as weight_scheme
 from engine_core.models.linear import Linear
 from engine_core.models.quantization import Int8LinearMethod, LinearMethodBase, RTNLinearMethod
 from engine_core.models.quantization.int8 import (int8_mm, int8_mm_float64, quantize_per_channel,
@@ -266,7 +267,7 @@ class FakeQuantW8A8(LinearMethodBase):
 
 def test_engine_with_int8_matches_the_fake_quantized_model(monkeypatch) -> None:
     quantized = _tokens("tiny-llama", quantization="int8")
-    monkeypatch.setattr(llama, "get_linear_method", lambda quant, *where: FakeQuantW8A8() if quant else None)
+    monkeypatch.setattr(weight_scheme, "get_linear_method", lambda quant, *where: FakeQuantW8A8() if quant else None)
     assert quantized == _tokens("tiny-llama", quantization="int8")
 
 

@@ -9,6 +9,7 @@ import transformers
 from test_rejection_sampler import ALPHA, chi2_pvalue
 
 from engine_core.models.config import ModelConfig
+from engine_core.presets import preset_path
 from engine_core.request import Request, SamplingParams
 from engine_core.worker.draft_model import DraftModel
 from engine_core.worker.rejection_sampler import RejectionSampler
@@ -51,7 +52,7 @@ def _hf_logits(model, tokens: list[int]) -> torch.Tensor:
 
 
 def test_the_draft_models_q_and_greedy_chain_are_its_own():
-    config = ModelConfig.load("tiny-llama-draft")
+    config = ModelConfig.load(preset_path("tiny-llama-draft"))
     drafter = _drafter(config)
     hf = transformers.AutoModelForCausalLM.from_pretrained(config.path, dtype=torch.float32).eval()
     prompt = [5, 9, 17, 33, 65]
@@ -92,7 +93,7 @@ def test_one_batched_draft_forward_equals_each_request_alone_after_rollbacks():
     """Three requests of different lengths in one batch, step after step, each with some drafts rejected
     (a token the draft did not propose appended): the drafts from the shared forward over the kept,
     rolled-back cache are the ones a fresh drafter computes for each request alone from its tokens."""
-    config = ModelConfig.load("tiny-llama-draft")
+    config = ModelConfig.load(preset_path("tiny-llama-draft"))
     kept = _drafter(config)
     requests = [Request(f"r{i}", prompt, SamplingParams(temperature=0.0))
                 for i, prompt in enumerate([[5, 9, 17, 33, 65], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9]])]

@@ -5,12 +5,12 @@ block's minimum), then 16 bytes of nibbles. Byte j holds weight j in its low nib
 its high nibble (not 2j and 2j + 1). Weight = q * d + m, q in 0..15: asymmetric, with a float minimum
 instead of an integer zero, so 0 is not always exact. 5 bits per weight (4 + 2 * 16 / 32).
 `Q4_1LinearMethod` serves the blocks as they are: on CPU in llama.cpp's arithmetic (`kernels.cpu.ggml_a8`:
-int8 activations, integer dots per block), on CUDA through the Triton W4A16 GEMM. `read_gguf_blocks` also
-gives the file's Q8_0 tensors (SmolLM2's embedding, the tied LM head: gguf_q8_0.py).
+int8 activations, integer dots per block), on CUDA through the Triton W4A16 GEMM; `q4_1_method` builds one
+from a fused projection's blocks (`engine_core.gguf_file.read_quant_blocks` reads them, and the file's Q8_0
+tensors: SmolLM2's embedding, the tied LM head of gguf_q8_0.py).
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -114,20 +114,12 @@ class Q4_1LinearMethod(LinearMethodBase):
         return sum(t.nbytes for t in held if t is not None) + (0 if layer.ggml is None else layer.ggml.nbytes)
 
 
-def read_gguf_blocks(path: str, num_heads: int, num_kv_heads: int) -> dict[str, tuple[str, torch.Tensor]]:
-    """Every Q4_1 and Q8_0 matrix of a llama GGUF file -> ("Q4_1" or "Q8_0", its blocks uint8 `[N, K / 32 * bytes
-    a block]`) under its Hugging Face name (Q4_1: 20 bytes a block, Q8_0: 34), q_proj / k_proj rows un-permuted as
-    the converter does (a row's blocks move with it)."""
-    from gguf import GGMLQuantizationType, GGUFReader
-
-    from engine_core.presets_real import hf_name, unpermute_qk
-
-    out = {}
-    for t in GGUFReader(path).tensors:
-        if t.tensor_type not in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
-            continue
-        name, data = hf_name(t.name), np.array(t.data)
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            data = unpermute_qk(data, num_heads if name.endswith("q_proj.weight") else num_kv_heads)
-        out[name] = (t.tensor_type.name, torch.from_numpy(np.ascontiguousarray(data)))
-    return out
+def q4_1_method(blocks: dict[str, tuple[str, torch.Tensor]], names: list[str], file: str | None,
+                dtype: torch.dtype) -> Q4_1LinearMethod:
+    """The fused projection of checkpoint matrices `names` from the file's Q4_1 blocks, stacked along N."""
+    found = [blocks.get(f"{n}.weight", ("none", None)) for n in names]
+    if any(kind != "Q4_1" for kind, _ in found):
+        raise ValueError(f"quantization_config['file'] {file!r} has no Q4_1 tensor for {names}")
+    raw = [r for _, r in found]
+    k = raw[0].shape[1] // Q4_1_BLOCK_BYTES * Q4_1_BLOCK_WEIGHTS
+    return Q4_1LinearMethod(torch.cat(raw).reshape(-1), sum(r.shape[0] for r in raw), k, dtype)

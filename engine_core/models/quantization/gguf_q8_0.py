@@ -51,3 +51,13 @@ class Q8_0LinearMethod(LinearMethodBase):
 
     def weight_bytes(self, layer: nn.Module) -> int:
         return layer.ggml.nbytes
+
+
+def q8_0_head_method(blocks: dict[str, tuple[str, torch.Tensor]], embed: torch.Tensor) -> Q8_0LinearMethod | None:
+    """The tied LM head from the file's Q8_0 embedding blocks, as llama.cpp serves it, where they can run
+    (`gguf_a8_applies`) and match the embedding's shape; None: the dense head."""
+    kind, raw = blocks.get("model.embed_tokens.weight", ("none", None))
+    if (not gguf_a8_applies(embed.device, embed.dtype) or kind != "Q8_0"
+            or raw.shape != (embed.shape[0], embed.shape[1] // Q8_0_BLOCK_WEIGHTS * Q8_0_BLOCK_BYTES)):
+        return None
+    return Q8_0LinearMethod(raw.reshape(-1), embed.shape[0], embed.shape[1], embed.dtype)
