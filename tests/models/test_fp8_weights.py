@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_helpers import one_torch_thread
 from safetensors.torch import load_file
 from torch import nn
 
@@ -31,12 +32,7 @@ REL, SUB = 2.0 ** -4, 2.0 ** -10  # e4m3's rounding: relative for normal values,
 STRATEGIES = [("tensor", "tensor"), ("channel", "token"), ("tensor", "token"), ("channel", "tensor")]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 
 
 def _bound(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

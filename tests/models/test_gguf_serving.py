@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import one_torch_thread
 from safetensors.torch import load_file
 
 from benchmarks.perplexity import TEXT, build_engine, score, windows
 from engine_core import LLM, SamplingParams
 from engine_core.config import EngineConfig
+from engine_core.gguf_file import read_quant_blocks
 from engine_core.models.linear import Linear
 from engine_core.models.quantization import gguf_q4_1
-from engine_core.gguf_file import read_quant_blocks
 from engine_core.models.quantization.gguf_q4_1 import Q4_1_BLOCK_BYTES, Q4_1_BLOCK_WEIGHTS, Q4_1LinearMethod
 from engine_core.models.quantization.gguf_q8_0 import Q8_0LinearMethod, q8_0_parts
 from engine_core.presets_real import gguf_path, real_preset_path
@@ -23,12 +24,7 @@ from engine_core.presets_real import gguf_path, real_preset_path
 NAME = "smollm2-135m-instruct"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from engine_helpers import one_torch_thread
 from safetensors.torch import load_file, save_file
 
 from engine_core import LLM, SamplingParams
@@ -27,12 +28,7 @@ from engine_core.presets import preset_path
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 
 
 # ---- reference packers (AutoGPTQ's QuantLinear.pack, AutoAWQ's WQLinear_GEMM.from_linear) -------------------

@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from engine_helpers import one_torch_thread
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -31,12 +32,7 @@ U = 2.0 ** -24  # fp32 unit roundoff
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 
 
 # ---- packing -------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ profiled peak does, engine_core/worker/model_runner.py), and `stats()` shows the
 from __future__ import annotations
 
 import pytest
-import torch
+from engine_helpers import one_torch_thread
 from safetensors.torch import load_file
 
 from engine_core import LLM
@@ -14,12 +14,7 @@ from engine_core.presets import preset_path
 BLOCK = 16
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
 
 
 def _expected_weight_bytes(scheme: str | None) -> int:
