@@ -112,6 +112,35 @@ def test_greedy_verify_random_batches(student):
                  "greedy_verify on 200 random requests (K = 5, tokens 0..2, num_draft 0..5, generator seed 10)")
 
 
+HOST_SYNCS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")  # a tensor read back to Python
+
+
+def _syncs(counted: CountTorchCalls) -> int:
+    return sum(counted.names[name] for name in HOST_SYNCS)
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("greedy_verify")
+def test_greedy_verify_no_python_loop_or_host_sync(student):
+    """The whole batch in tensor ops, as the text asks: as many torch calls (grader.harness.CountTorchCalls) for 200
+    requests as for 4, and no tensor read back to Python (`.item()`, `.tolist()`, `int(t)`: a host sync, which on a
+    GPU waits for every kernel queued before it). Independent of the values: a loop over rows with the right
+    tokens still fails."""
+    g = torch.Generator().manual_seed(11)
+    argmax = torch.randint(0, 3, (200, 6), generator=g)
+    drafts = torch.where(torch.rand(200, 5, generator=g) < 0.7, argmax[:, :5], torch.randint(0, 3, (200, 5), generator=g))
+    num_draft = torch.randint(0, 6, (200,), generator=g)
+    counted = []
+    with plug(student, LAB, only=["greedy_verify"]):
+        for b in (4, 200):
+            with CountTorchCalls() as calls:
+                student.greedy_verify(argmax[:b], drafts[:b], num_draft[:b])
+            counted.append(calls)
+    expect_equal((counted[1].calls - counted[0].calls, _syncs(counted[1])), (0, 0),
+                 "greedy_verify on 200 requests (K = 5): (its torch calls minus those on 4 requests, its host syncs): "
+                 "more requests must not mean more calls, and nothing is read back to Python")
+
+
 # ---- task 3: the residual distribution -------------------------------------------------------------
 
 def _residual_oracle(p, q):
@@ -237,19 +266,24 @@ def _expect_exact(student, case, p, q):
 @pytest.mark.task("rejection_sample")
 def test_rejection_sample_no_python_loop_over_requests(student):
     """The batch verified with tensor ops: as many torch calls (grader.harness.CountTorchCalls) for 256
-    requests as for 4. A loop over the requests gives the same tokens and one kernel launch per request
-    and op on a GPU, every step."""
+    requests as for 4, with draft probabilities and with one-hot drafts, and no host sync. A loop over the
+    requests gives the same tokens and one kernel launch per request and op on a GPU, every step; a host sync
+    stalls the GPU until its queue drains."""
     p, q = CASES["q uniform"]
     target, drafts, draft_probs, uniforms, noise = _draws(p, q, seed=5)
-    counts = []
+    counts, syncs = [], []
     with plug(student, LAB, only=["rejection_sample", "greedy_verify", "residual_probs"]):
-        for b in (4, 256):
-            with CountTorchCalls() as calls:
-                student.rejection_sample(target[:b], drafts[:b], torch.full((b,), K), uniforms[:b], noise[:b],
-                                         draft_probs[:b])
-            counts.append(calls.calls)
-    expect_equal(counts[1] - counts[0], 0, "torch calls of rejection_sample on 256 requests minus those on 4 "
-                                           "(K = 2, V = 6): more requests must not mean more calls")
+        for probs in (draft_probs, None):  # a draft model's q, then one-hot n-gram drafts
+            for b in (4, 256):
+                with CountTorchCalls() as calls:
+                    student.rejection_sample(target[:b], drafts[:b], torch.full((b,), K), uniforms[:b], noise[:b],
+                                             None if probs is None else probs[:b])
+                counts.append(calls.calls)
+                syncs.append(_syncs(calls))
+    expect_equal([counts[1] - counts[0], counts[3] - counts[2], syncs[1], syncs[3]], [0, 0, 0, 0],
+                 "rejection_sample on 256 requests against 4 (K = 2, V = 6): [torch calls 256 minus 4 with draft "
+                 "probabilities, the same with one-hot drafts, host syncs (.item, .tolist, int(t)) with draft "
+                 "probabilities, with one-hot drafts]: more requests must not mean more calls, nothing read back")
 
 
 @pytest.mark.points(3)

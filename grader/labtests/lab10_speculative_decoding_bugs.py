@@ -38,6 +38,20 @@ BUGS = [
     # n-gram drafts verified greedily (against the argmax, not the row's own sample): no longer a sample of p
     PlantedBug("one_hot_drafts_verified_greedily", "return greedy_verify((target_probs / noise).argmax(dim=2), draft_token_ids, num_draft)",
                "return greedy_verify(target_probs.argmax(dim=2), draft_token_ids, num_draft)"),
+    # greedy_verify row by row in Python, each row read back (a host sync per row): right tokens, slow
+    PlantedBug("greedy_loops_over_rows_with_host_syncs",
+               "    B, K = draft_token_ids.shape\n    dev = draft_token_ids.device\n    cols = torch.arange(K, device=dev)[None, :]\n",
+               "    B, K = draft_token_ids.shape\n    dev = draft_token_ids.device\n"
+               "    if B > 1:\n"
+               "        out = torch.full((B, K + 1), PLACEHOLDER, dtype=torch.long, device=dev)\n"
+               "        for i in range(B):\n"
+               "            a, d, n = target_argmax[i].tolist(), draft_token_ids[i].tolist(), int(num_draft[i])\n"
+               "            j = 0\n"
+               "            while j < n and d[j] == a[j]:\n"
+               "                j += 1\n"
+               "            out[i, :j + 1] = torch.tensor(d[:j] + [a[j]])\n"
+               "        return out\n"
+               "    cols = torch.arange(K, device=dev)[None, :]\n"),
     # the same sampler, one request at a time (a Python loop over the batch): right tokens, slow
     PlantedBug("rejection_sample_loops_over_requests",
                "    if draft_probs is None:  # one-hot q: each draft against the row's own sample\n",

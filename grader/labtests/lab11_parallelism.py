@@ -63,8 +63,10 @@ def _tpot(student):
 # Tolerance 1% on the TPOTs: the answer is the given model's arithmetic, so this admits only rounding of
 # intermediate figures, and rejects every slip worth catching: the all-reduce latency left out (-30% over
 # Ethernet, -17% over InfiniBand), 100 Gb as 100 GB (-45%), NVLink's bandwidth for the cross-node ring, the
-# pipeline's TPOT halved. The stage-to-stage send (0.3% of a TPOT) is below it: test_predicted_winners needs it.
-TPOT_RTOL = 0.01
+# pipeline's TPOT halved. The stage-to-stage send (0.3% of a TPOT) is below it, so the pipeline's extra over one
+# TP=8 replica (the send alone, 45.7 us) is graded on its own, within 5%: leaving the send out is off by 100%, its
+# 30 us latency alone by 34%, 100 Gb as 100 GB by 30%.
+TPOT_RTOL, SEND_RTOL = 0.01, 0.05
 
 
 @pytest.mark.points(2)
@@ -85,12 +87,16 @@ def test_predicted_tpot_tp16(student):
 @pytest.mark.task("predictions")
 def test_predicted_tpot_tp8(student):
     """TP=8 on NVLink: 17.06 ms (16.0 ms of HBM reads: 43.8 GB of weights and 9.7 GB of KV per GPU; 192
-    all-reduces of 5.8 us); the pipeline TP=8 x PP=2 the same plus one send of the hidden states: 17.11 ms."""
+    all-reduces of 5.8 us); the pipeline TP=8 x PP=2 the same plus one send of the hidden states: 17.11 ms. Each
+    within 1%; the send itself (the difference of the two, 0.0457 ms) within 5%."""
     got = _tpot(student)
     expect_prediction(got["tp8_replicas"], _step_ms(H100, 8), "predicted_tpot_ms()['tp8_replicas']: one TP=8 replica, ms",
                  rtol=TPOT_RTOL)
     expect_prediction(got["tp8_pp2"], _step_ms(H100, 8) + _send_ms(),
                  "predicted_tpot_ms()['tp8_pp2']: TP=8 x PP=2, a token through both stages, ms", rtol=TPOT_RTOL)
+    expect_prediction(got["tp8_pp2"] - got["tp8_replicas"], _send_ms(),
+                      "predicted_tpot_ms()['tp8_pp2'] - ['tp8_replicas']: what the pipeline adds to a TP=8 step (the "
+                      "stage-to-stage send over 100 GbE), ms", rtol=SEND_RTOL)
 
 
 @pytest.mark.points(1)
@@ -265,7 +271,8 @@ def _qwen2():
 def test_engine_loads_the_shards(student):
     """The engine's loader with your layer_shards, TP=2 on tiny-qwen2: each rank's fused qkv weight and bias
     are its q rows and the one (replicated) KV head's k and v rows, o_proj a RowParallelLinear over its q
-    columns, gate|up its MLP rows, down_proj its MLP columns, and its attention sizes 2 query heads, 1 KV head."""
+    columns, gate|up its MLP rows, down_proj its MLP columns, and its attention sizes 2 query heads, 1 KV head.
+    Then tiny-llama at TP=4, where the replicated KV heads' layout decides which head each rank loads."""
     folder, args = _qwen2()
     ckpt = CheckpointReader(folder, torch.float32, torch.device("cpu"))
     p = "model.layers.0"
@@ -295,6 +302,29 @@ def test_engine_loads_the_shards(student):
                      f"{what}: gate_up_proj.weight")
         expect_equal(type(mlp.down_proj).__name__, "RowParallelLinear", f"{what}: the kind of down_proj")
         expect_close(mlp.down_proj.weight, get("mlp.down_proj.weight")[:, f], f"{what}: down_proj.weight")
+    _expect_replicated_kv_heads_load(student)
+
+
+def _expect_replicated_kv_heads_load(student):
+    """tiny-llama (4 query heads, 2 KV heads of 16) at TP=4: rank r's one query head reads KV head r // 2, so the
+    engine must load that head's k and v rows on ranks 0, 1 (head 0) and 2, 3 (head 1): a layout where it matters
+    (tiny-qwen2 has one KV head, which every rank holds whatever the layout)."""
+    folder = preset_path("tiny-llama")
+    args = ModelConfig.load(str(folder)).args
+    ckpt = CheckpointReader(folder, torch.float32, torch.device("cpu"))
+    get = lambda name: ckpt.get(f"model.layers.0.self_attn.{name}")  # noqa: E731
+    for rank in range(4):
+        ctx = ParallelContext(SimulatedGroup(rank, 4), GroupCoordinator([rank], 0), 0, args.num_layers)
+        with plug(student, LAB, only=["layer_shards"]):
+            try:
+                attn = LlamaForCausalLM(args, ckpt, 64, ctx).layers[0].attn
+                got = attn.qkv_proj.weight
+            except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as exc:
+                got = f"{type(exc).__name__}: {exc}"
+        q, kv = slice(16 * rank, 16 * (rank + 1)), slice(16 * (rank // 2), 16 * (rank // 2 + 1))
+        expect_close(got, torch.cat([get("q_proj.weight")[q], get("k_proj.weight")[kv], get("v_proj.weight")[kv]]),
+                     f"tiny-llama (2 KV heads), TP=4, rank {rank}, layer 0: qkv_proj.weight = its query head's q rows, "
+                     f"then k and v rows of KV head {rank // 2} (the head its query head reads)")
 
 
 # ---- task 3: row_parallel_forward --------------------------------------------------------------------

@@ -9,6 +9,8 @@ BUGS = [
                "allreduce_latency_s=H100.allreduce_latency_s)"),
     # a pipeline stage holds half the layers, so "half the TPOT": but a token passes both stages
     PlantedBug("prediction_pipeline_halves_tpot", '"tp8_pp2": 1e3 * (tp8 + send)', '"tp8_pp2": 1e3 * (tp8 / 2 + send)'),
+    # the stage-to-stage send left out: 0.3% of the TPOT, inside its 1%, but the whole of what the pipeline adds
+    PlantedBug("prediction_pipeline_send_left_out", '"tp8_pp2": 1e3 * (tp8 + send)', '"tp8_pp2": 1e3 * tp8'),
     PlantedBug("prediction_pipeline_for_throughput", 'return "tp16_infiniband", "tp8_replicas"',
                'return "tp16_infiniband", "tp8_pp2"'),
     # layer_shards

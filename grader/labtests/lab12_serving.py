@@ -288,12 +288,16 @@ def test_request_metrics_bad_input(student):
 def test_percentile_by_hand(student):
     """Linear between order statistics, rank q/100 * (n - 1) of the sorted values:
     [300, 100, 200]: P0 100, P50 200, P90 at rank 1.8 = 280, P100 300; [1, 2, 3, 4]: P50 at rank 1.5 =
-    2.5 (nearest-rank gives 2 or 3), P99 at 2.97 = 3.97; one value is every percentile of itself."""
+    2.5 (nearest-rank gives 2 or 3), P99 at 2.97 = 3.97; one value is every percentile of itself.
+    The caller's list stays as it was (a `values.sort()` reorders the caller's latencies)."""
     cases = [([300, 100, 200], 0), ([300, 100, 200], 50), ([300, 100, 200], 90), ([300, 100, 200], 100),
              ([1, 2, 3, 4], 50), ([1, 2, 3, 4], 99), ([5.0], 0), ([5.0], 99)]
+    given = [list(v) for v, _ in cases]
     with plug(student, LAB, only=["percentile"]):
-        got = [student.percentile(list(v), q) for v, q in cases]
+        got = [student.percentile(v, q) for v, (_, q) in zip(given, cases)]
     expect_close(got, [100, 200, 280, 300, 2.5, 3.97, 5.0, 5.0], f"percentile(values, q) for {cases}", atol=1e-9)
+    expect_equal(given, [v for v, _ in cases], "the callers' lists after percentile(values, q): unchanged (the "
+                                               "function must not sort them in place)")
 
 
 def _random_percentile_cases(n: int, seed: int) -> list[tuple[list[float], float]]:
@@ -386,20 +390,32 @@ def _key_above(ring: HashRing) -> str:
     return next(k for k in (f"prompt-{i}" for i in range(100_000)) if _key_hash(k) > ring._hashes[-1])
 
 
+def _key_on_a_point(ring: HashRing) -> tuple[str, int]:
+    """A key whose hash equals ring point j, the next point (j + 1) belonging to another replica: (key, j)."""
+    j = next(j for j in range(len(ring._urls) - 1) if ring._urls[j + 1] != ring._urls[j])
+    url = ring._urls[j]
+    return next(k for k in (f"{url}#{i}" for i in range(len(ring._urls))) if _key_hash(k) == ring._hashes[j]), j
+
+
 @pytest.mark.points(2)
 @pytest.mark.task("lookup")
-def test_lookup_wraps_around_the_ring(student):
-    """2 replicas x 2 points: a key hashed past the last point belongs to the first point's replica."""
+def test_lookup_wraps_around_and_skips_an_equal_point(student):
+    """2 replicas x 2 points: a key hashed past the last point belongs to the first point's replica; a key whose
+    hash equals a point belongs to the next point ("greater than", strictly: `bisect_right`, not `bisect_left`)."""
     ring = HashRing(URLS[:2], virtual_nodes=2)
     key = _key_above(ring)
     others = set(URLS[:2]) - {ring._urls[0]}
+    tie, j = _key_on_a_point(ring)
     with plug(student, LAB, only=["lookup"]):
         got = ring.lookup(key, set(URLS[:2]))
         skip = ring.lookup(key, others)
+        on_point = ring.lookup(tie, set(URLS[:2]))
     points = list(zip(ring._hashes, ring._urls))
     expect_equal(got, ring._urls[0], f"ring points {points}, key hash {_key_hash(key)} (past the last point): lookup")
     expect_equal(skip, _ring_owner(ring, _key_hash(key), others),
                  f"the same ring and key, allowed only {sorted(others)}: lookup")
+    expect_equal(on_point, ring._urls[j + 1], f"ring points {points}, key {tie!r} whose hash {_key_hash(tie)} equals "
+                                              f"point {j}: lookup (the first point greater than the hash)")
 
 
 @pytest.mark.points(2)

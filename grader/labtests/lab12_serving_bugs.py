@@ -40,6 +40,8 @@ BUGS = [
     PlantedBug("percentile_nearest_rank", "    return xs[lo] + (rank - lo) * (xs[hi] - xs[lo])\n",
                "    return xs[max(0, math.ceil(q / 100 * len(xs)) - 1)]\n"),
     PlantedBug("percentile_not_sorted", "xs = sorted(values)", "xs = list(values)"),
+    # sorts the caller's list in place (the text forbids changing it)
+    PlantedBug("percentile_sorts_in_place", "xs = sorted(values)", "values.sort()\n    xs = values"),
     PlantedBug("percentile_q_unchecked", "    if not 0 <= q <= 100:\n", "    if False:\n"),
     # meets_slos
     PlantedBug("goodput_any_slo", "        if value is not None and value > limit:\n            return False\n    return True\n",
@@ -53,6 +55,9 @@ BUGS = [
                "url = self._urls[min(start + k, len(self._urls) - 1)]"),
     PlantedBug("lookup_ignores_allowed", "        if url in allowed:\n            return url\n    return None\n",
                "        return url\n    return None\n"),
+    # ">=" where the text says "greater than": a key whose hash equals a point stays on that point
+    PlantedBug("lookup_bisect_left", "start = bisect.bisect(self._hashes, _hash(key))",
+               "start = bisect.bisect_left(self._hashes, _hash(key))"),
     # the first point found by a scan of every hash: the same answers, O(n) reads per request
     PlantedBug("lookup_linear_scan", "start = bisect.bisect(self._hashes, _hash(key))",
                "start = next((i for i, h in enumerate(self._hashes) if h > _hash(key)), len(self._hashes))"),

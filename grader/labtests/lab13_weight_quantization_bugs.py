@@ -3,7 +3,9 @@ from grader.bugs import PlantedBug
 
 BUGS = [
     # predictions
-    PlantedBug("prediction_scales_left_out", "w4_bytes = (0.5 + 4 / 128) * k * n", "w4_bytes = 0.5 * k * n"),
+    PlantedBug("prediction_scales_left_out", "(0.5 + 2.5 / 128) * k * n", "0.5 * k * n"),
+    # the zero point counted as an fp16 (2 bytes) where GPTQ and AWQ pack it in 4 bits
+    PlantedBug("prediction_fp16_zero", "(0.5 + 2.5 / 128) * k * n", "(0.5 + 4 / 128) * k * n"),
     PlantedBug("prediction_h100_sparse_peak", "compute = 2 * m * k * n / gpu.bf16_flops",
                "compute = 2 * m * k * n / (gpu.bf16_flops * (2 if name == 'H100' else 1))"),
     PlantedBug("prediction_gb_for_gib", "left = 0.9 * a100.memory_bytes - 68_976_648_192 * 1",

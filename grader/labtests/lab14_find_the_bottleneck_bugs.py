@@ -43,6 +43,8 @@ BUGS = [
     PlantedBug("sample_temperature_ignored", "x = logits[rows] / temps[:, None]", "x = logits[rows]"),
     PlantedBug("sample_nan_rows_not_invalid", "    invalid = ~top.isfinite()\n",
                "    invalid = torch.zeros_like(top, dtype=torch.bool)\n"),
+    # only NaN rows invalid: a +inf logit or a row of -inf still gets a token
+    PlantedBug("sample_only_nan_invalid", "    invalid = ~top.isfinite()\n", "    invalid = top.isnan()\n"),
     # block_tables
     PlantedBug("block_tables_width_of_the_first_row", "width = int(self.num_blocks[rows].max()) if rows else 0",
                "width = int(self.num_blocks[rows[0]]) if rows else 0"),
@@ -59,7 +61,10 @@ BUGS = [
     PlantedBug("remove_finished_list_scan", "done = {r.request_id for r in finished}",
                "done = [r.request_id for r in finished]"),
     # the OOM hunt
-    PlantedBug("oom_logits_forgotten", "outside = gib + 512 * LLAMA3_8B.vocab_size * 4", "outside = gib"),
+    # the sampler's logits counted outside the budget (vLLM's profile run includes them): 24% more headroom
+    PlantedBug("oom_logits_outside_the_budget", "held_at_start = gib", "held_at_start = gib + 512 * LLAMA3_8B.vocab_size * 4"),
+    # max_model_len rounded up to a whole block: one block more than fits
+    PlantedBug("oom_max_model_len_rounded_up", "math.floor(free_c / (16 * kv)) * 16", "math.ceil(free_c / (16 * kv)) * 16"),
     PlantedBug("oom_swap_at_the_warning_level", "0.7 * 512 / 8", "0.4 * 512 / 8"),
     PlantedBug("oom_max_model_len_without_activations",
                "free_c = small * 0.9 - weights - memory.activation_bytes(LLAMA3_8B, dtype, 8192)",
