@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -22,10 +23,25 @@ import pytest
 from benchmarks.serve import run, summarize, synthetic_workload
 from server_helpers import ROOT, TEMPLATE, Server, chat_model
 from engine_core import LLM, SamplingParams
+from engine_core.presets import preset_path
 
 pytestmark = pytest.mark.timeout(180)
 PROMPTS = ["Hello, my name is", "The capital of France", "abc", "0123456789", "def f(x):", "Once upon"]
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
+# A request that holds the only seat until the test closes its stream: tiny-llama writes 1000 tokens in under a
+# second, less than a loaded machine may take to queue the next requests, so the holder's model copy takes 64k
+# positions (RoPE has no limit of its own; only the holder goes past 2048) and it asks for 60k tokens.
+HOLD_POSITIONS, HOLD_TOKENS = 65536, 60000
+HOLD_ARGS = ("--num-gpu-blocks", str(HOLD_POSITIONS // 16 + 64))
+
+
+def long_context(model: Path, where: Path) -> Path:
+    """A copy of `model` whose config allows HOLD_POSITIONS positions."""
+    folder = where / f"{model.name}-long"
+    shutil.copytree(model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": HOLD_POSITIONS}))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -235,12 +251,14 @@ def test_a_client_that_leaves_a_plain_request_frees_its_blocks(server):
     assert 0 < generated < max_tokens, f"{generated} tokens: the engine request ran on after the client left"
 
 
-def test_a_priority_server_runs_the_most_important_waiting_request_first(model_dir, offline):
+def test_a_priority_server_runs_the_most_important_waiting_request_first(model_dir, offline, tmp_path):
     """--scheduling-policy priority, one seat: while a long stream holds it, a low-priority request
     and then an urgent one queue; when the seat frees, the urgent one (lower value) runs first."""
-    srv = Server(str(model_dir), "--scheduling-policy", "priority", "--max-num-seqs", "1")
+    srv = Server(str(long_context(model_dir, tmp_path)), "--scheduling-policy", "priority", "--max-num-seqs", "1",
+                 *HOLD_ARGS)
     try:
-        blocker = srv.client.completions.create(model="m", prompt="a", max_tokens=1000, stream=True, **GREEDY)
+        blocker = srv.client.completions.create(model="m", prompt="a", max_tokens=HOLD_TOKENS, stream=True,
+                                                **GREEDY)
         next(iter(blocker))
         done: dict[str, tuple[float, str]] = {}
 
@@ -305,15 +323,16 @@ def test_the_load_generator_sweeps_rates_and_plots(server, tmp_path):
     server.wait_idle()
 
 
-def test_a_model_without_a_template_and_a_full_queue():
+def test_a_model_without_a_template_and_a_full_queue(tmp_path):
     """The preset has no chat template: chat is a clear 400. One seat, one waiting place: a third
     request is refused with a 503 while the first two are in the engine."""
-    srv = Server("tiny-llama", "--max-num-seqs", "1", "--max-waiting-requests", "1")
+    srv = Server(str(long_context(preset_path("tiny-llama"), tmp_path)), "--max-num-seqs", "1",
+                 "--max-waiting-requests", "1", *HOLD_ARGS)
     try:
         with pytest.raises(openai.BadRequestError, match="chat template") as info:
             srv.client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert info.value.response.json()["error"]["param"] == "messages"
-        first = srv.client.completions.create(model="m", prompt="a", max_tokens=1000, stream=True, **GREEDY)
+        first = srv.client.completions.create(model="m", prompt="a", max_tokens=HOLD_TOKENS, stream=True, **GREEDY)
         next(iter(first))
         waiting: dict = {}
         t = threading.Thread(target=lambda: waiting.setdefault("resp", srv.client.completions.create(
