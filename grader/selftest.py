@@ -36,7 +36,7 @@ from grader.labs import REPO_ROOT, bugs_path, check_lab_name, tests_module_name,
 from grader.loader import load_notebook
 from grader.plug import PLUG_LOG, plug
 from grader.runner import QUIET_PLUGINS, run_tests, stderr_to_stdout, test_names
-from grader.seams import resolve, seams_of
+from grader.seams import SEAMLESS_LABS, resolve, seams_of
 
 PER_TEST_TIMEOUT_S = 120  # generous for the solution: a loaded 2-core machine
 BUG_TEST_TIMEOUT_S = 20  # a planted bug that loops forever fails its test instead of hanging
@@ -222,6 +222,13 @@ def _selftest(lab: str, scratch: Path) -> dict:
             report["bugs"][bug.name] = results
         except ValueError as exc:  # the edit's `old` text is not in the solution any more
             report["bugs"][bug.name] = str(exc)
+
+    if lab in SEAMLESS_LABS:  # no engine function to run as the student, to plug the solution into or to delegate to
+        report["engine"] = report["engine_tests"] = report["delegation"] = []
+        start = time.perf_counter()
+        report["batch"] = batch_results(lab, solution, scratch, report["solution"])
+        seconds["batch"] = round(time.perf_counter() - start, 2)
+        return report
 
     engine_student = load_notebook(solution)
     for seam in seams_of(lab):

@@ -18,7 +18,7 @@ import pytest
 from grader.labs import REPO_ROOT
 from grader.loader import is_graded_code
 from grader.release import solution_labs
-from grader.seams import SEAMS, Seam, labs_with_seams, resolve
+from grader.seams import SEAMLESS_LABS, SEAMS, Seam, labs_with_seams, resolve, seams_of
 
 SEAM_IDS = [f"{s.lab}:{s.student_name}" for s in SEAMS]
 
@@ -65,7 +65,12 @@ def instance_attributes(cls: type) -> set[str]:
 
 
 def test_every_lab_has_seams_and_every_seam_names_a_lab():
-    assert labs_with_seams() == solution_labs()
+    """Every lab has seams, except the seamless ones (SEAMLESS_LABS: graded on classes written from a blank page),
+    which have none and exist."""
+    assert labs_with_seams() == sorted(set(solution_labs()) - set(SEAMLESS_LABS))
+    assert set(SEAMLESS_LABS) <= set(solution_labs()) and not set(SEAMLESS_LABS) & set(labs_with_seams())
+    for lab in SEAMLESS_LABS:
+        assert seams_of(lab) == ()
 
 
 @pytest.mark.parametrize("seam", SEAMS, ids=SEAM_IDS)

@@ -30,8 +30,10 @@ from grader.batch.kit import comparisons_left
 from grader.check import _hidden_points
 from grader.labs import REPO_ROOT
 from grader.release import regenerate, solution_labs
+from grader.seams import SEAMLESS_LABS
 
 LABS = solution_labs()
+SEAMED_LABS = [lab for lab in LABS if lab not in SEAMLESS_LABS]  # a seamless lab has no engine function to check
 SELFTEST_TIMEOUT_S = 900
 MARKER = "@@SELFTEST@@"
 
@@ -173,7 +175,7 @@ def not_cuda_skipped(results: list[dict]) -> list[dict]:
     return [r for r in results if not (r["status"] == "skipped" and "CUDA" in r["message"])]
 
 
-@pytest.mark.parametrize("lab", LABS)
+@pytest.mark.parametrize("lab", SEAMED_LABS)
 @pytest.mark.selftest
 def test_end_to_end_tests_call_every_plugged_function(lab):
     """Each end_to_end test plugs the learner's functions and the engine calls every one of them."""
@@ -202,7 +204,7 @@ ENGINE_AS_STUDENT_EXEMPT = {
 }
 
 
-@pytest.mark.parametrize("lab", LABS)
+@pytest.mark.parametrize("lab", SEAMED_LABS)
 @pytest.mark.selftest
 def test_the_engines_own_functions_pass_the_labs_unit_tests(lab):
     """The tests and the engine agree: the engine's bodies of the seams, plugged as the student, pass."""
@@ -217,7 +219,7 @@ def engine_test_failures(lab: str) -> set[str]:
     return {r["name"] for r in results if r["status"] == "failed"}
 
 
-@pytest.mark.parametrize("lab", LABS)
+@pytest.mark.parametrize("lab", SEAMED_LABS)
 @pytest.mark.selftest
 def test_the_solution_passes_the_engines_unit_tests(lab):
     """The solution and the engine agree: the engine's own unit tests of these pieces pass with the
@@ -228,7 +230,7 @@ def test_the_solution_passes_the_engines_unit_tests(lab):
         f"  {name}: {messages[name]}" for name in bad)
 
 
-@pytest.mark.parametrize("lab", LABS)
+@pytest.mark.parametrize("lab", SEAMED_LABS)
 @pytest.mark.selftest
 def test_delegation_is_caught_in_self_grading(lab):
     """A notebook whose functions call the engine's own (captured at load) fails every plugging test with the reason."""
@@ -237,6 +239,19 @@ def test_delegation_is_caught_in_self_grading(lab):
     missed = [f"{name}: {results[name]['status']} {results[name]['message'][:200]}" for name in sorted(plugged)
               if results[name]["status"] != "failed" or VERDICT not in results[name]["message"]]
     assert plugged and not missed, f"{lab}: delegation not reported:\n" + "\n".join(missed)
+
+
+@pytest.mark.parametrize("lab", SEAMLESS_LABS)
+@pytest.mark.selftest
+def test_a_seamless_lab_plugs_nothing(lab):
+    """A lab graded on classes written from a blank page (grader/seams.py SEAMLESS_LABS) replaces nothing of the
+    engine: none of its tests plugs, none claims to run the engine end to end, and it is graded on observations
+    (batch grading verifies every check)."""
+    report = selftest(lab)
+    assert not report["plugs"] and not report["end_to_end"], (
+        f"{lab}: a seamless lab's tests plug {sorted({p['test'] for p in report['plugs']})}, end_to_end "
+        f"{report['end_to_end']}")
+    assert not comparisons_left(lab_files.tests_path(lab).read_text()), f"{lab}: checks that are not observations"
 
 
 @pytest.mark.parametrize("lab", [lab for lab in LABS if not comparisons_left(lab_files.tests_path(lab).read_text())])
