@@ -18,7 +18,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks.quant_gemm import busy_seconds
+from benchmarks.measure import busy_seconds
 from engine_core.config import QuantizationConfig
 from engine_core.models.linear import Linear
 from engine_core.models.quantization import PackedLinearMethod, packed

@@ -14,31 +14,17 @@ busy time minus this process's): quiet under a tenth of its wall time, loaded ot
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
-from typing import Callable
 
 import torch
 
-from benchmarks.quant_gemm import busy_seconds
+from benchmarks.measure import alternate, busy_seconds
 from kernels import cpu, reference
 
 SHAPES = {"small-llama": (8, 4, 64), "smollm2": (9, 3, 64)}  # query heads, KV heads, head_dim
 DECODE = ((1, 512), (34, 340), (64, 400))  # (sequences, context): batch 1, the workload's mean, its busiest
 PREFILL = ((1, 64), (1, 264), (1, 512), (7, 264))  # (sequences, prompt): whole prompts, no cached prefix
 BLOCK_SIZE, CACHE_MB = 16, 256
-
-
-def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each function, the functions called in turn `repeats` times (2 untimed first)."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for i in range(repeats + 2):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            if i >= 2:
-                times[name].append(time.perf_counter() - t)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _batch(gen: torch.Generator, dtype: torch.dtype, kv_heads: int, head_dim: int, lens: list[int]

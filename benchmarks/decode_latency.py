@@ -12,26 +12,14 @@ self CPU time.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 
+from benchmarks.measure import busy_seconds
 from engine_core.engine import LLMEngine
 from engine_core.request import SamplingParams
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def busy_seconds() -> tuple[float, float]:
-    """(the whole machine's busy CPU seconds, this process's CPU seconds, every thread)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    machine = (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / _TICK  # user nice system irq softirq steal
-    t = os.times()
-    return machine, t.user + t.system
-
 
 def run_once(engine: LLMEngine, prompt: list[int], output_len: int, rid: str) -> tuple[list[float], list[int]]:
     """Decode-step wall times (s) of one request (the prefill step excluded) and its tokens."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -30,27 +29,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from benchmarks.measure import busy_seconds, crossover, l3_bytes, stream_bandwidth
 from kernels.cpu.ggml_a8 import ggml_a8_applies, ggml_mul_mat_a8, pack_q4_1
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GROUP = 128
 Gemm = Callable[[torch.Tensor], torch.Tensor]
-
-
-def l3_bytes() -> int:
-    """The largest cache's size from sysfs (32 MiB when sysfs does not say)."""
-    sizes = []
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = f.read_text().strip()
-        sizes.append(int(text[:-1]) * {"K": 2**10, "M": 2**20}[text[-1]] if text[-1] in "KM" else int(text))
-    return max(sizes, default=32 * 2**20)
-
-
-def busy_seconds() -> tuple[float, float]:
-    """(all CPUs' busy seconds from /proc/stat, this process's CPU seconds)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-    busy = sum(fields) - fields[3] - fields[4]  # minus idle and iowait
-    return busy / os.sysconf("SC_CLK_TCK"), time.process_time()
 
 
 def schemes(k: int, n: int, copies: Callable[[int], int]) -> dict[str, tuple[int, Callable[[int], Gemm]]]:
@@ -101,24 +85,6 @@ def schemes(k: int, n: int, copies: Callable[[int], int]) -> dict[str, tuple[int
         out["Q4_1 A8"] = (one.nbytes, cycling([pack_q4_1(q41, d1, m1.half()) for _ in range(copies(one.nbytes))],
                                               ggml_mul_mat_a8))
     return out
-
-
-def stream_bandwidth(l3: int, reps: int = 5) -> float:
-    """Bytes per second of a streaming read (a sum over a buffer 8x the L3), best of `reps`."""
-    buf = torch.ones(8 * l3 // 4)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t)
-    return buf.nbytes / best
-
-
-def crossover(times: dict[int, float], base: dict[int, float]) -> int | None:
-    """The smallest M from which on the scheme is no faster than the base at every M measured (None: it is
-    faster at the largest M); a single noisy slow point below a faster one does not count."""
-    ms = sorted(times)
-    return next((m for i, m in enumerate(ms) if all(times[n] >= base[n] for n in ms[i:])), None)
 
 
 def main(argv: list[str] | None = None) -> dict:

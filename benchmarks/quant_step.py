@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.quant_gemm import busy_seconds, crossover, l3_bytes, stream_bandwidth
+from benchmarks.measure import busy_seconds, crossover, l3_bytes, stream_bandwidth
 from engine_core import LLMEngine, SamplingParams
 from engine_core.models.linear import Linear
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from benchmarks import serve
+from benchmarks.measure import busy_seconds
 from benchmarks.server_procs import ServerProcess, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,8 +64,6 @@ class Accounting:
 
     @staticmethod
     def read(servers: Sequence[ServerProcess]) -> "Accounting":
-        from benchmarks.decode_latency import busy_seconds  # here: it imports torch, which the client needs not
-
         machine, client = busy_seconds()
         return Accounting(machine, client, {s.name: s.cpu_seconds() for s in servers})
 

@@ -18,8 +18,7 @@ import time
 
 import torch
 
-from benchmarks.cpu_attention import alternate
-from benchmarks.quant_gemm import busy_seconds
+from benchmarks.measure import alternate, busy_seconds
 from engine_core.models.quantization.unquantized import PACK_BATCH_HINT, onednn_available, onednn_bf16_available
 from kernels import cpu
 from kernels.cpu.skinny_gemm import SKINNY_MAX_ROWS, skinny_gemm

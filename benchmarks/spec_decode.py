@@ -12,7 +12,7 @@ Per workload and batch: output tokens/s and mean TPOT (time per output token aft
 with and without speculation, the speedup, acceptance per draft position, alpha (the first position's
 rate), the measured mean acceptance length (1 + accepted / drafts) next to the i.i.d. prediction
 E = (1 - alpha^(k+1)) / (1 - alpha), and the CPU seconds other processes used during each run (from
-/proc/stat, `benchmarks.decode_latency.busy_seconds`): a run is "loaded" when that exceeds 0.1 CPU on
+/proc/stat, `benchmarks.measure.busy_seconds`): a run is "loaded" when that exceeds 0.1 CPU on
 average, "quiet" otherwise. The runs with and without speculation alternate in one process (two
 engines built once), and the outputs are checked equal (greedy is exact), so a speedup never comes
 from computing something else.
@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from benchmarks.decode_latency import busy_seconds
+from benchmarks.measure import busy_seconds
 from engine_core.engine import LLMEngine
 from engine_core.request import SamplingParams
 

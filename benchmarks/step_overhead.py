@@ -12,7 +12,7 @@ round to round, in this process:
 Reported per variant and thread count: the median decode-step wall time, the median CPU time of the main
 thread per step (the step's own work: on a loaded machine the wall time also counts the time other
 processes held the core), the process's CPU time over wall (how many cores the step keeps busy), and the
-CPU time other processes used during the variant's runs (`decode_latency.busy_seconds`: 0 on a quiet
+CPU time other processes used during the variant's runs (`measure.busy_seconds`: 0 on a quiet
 machine). Greedy tokens must be identical across variants. `--phases` then times each phase of a step
 (the layers' GEMMs, the LM head, each C kernel, what is left: Python and dispatch) by wrapping each one: main
 thread CPU and process CPU per step, so the second thread's share per phase shows. `--machine`: where the step
@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from benchmarks.decode_latency import busy_seconds
+from benchmarks.measure import busy_seconds
 from engine_core.engine import LLMEngine
 from engine_core.models.attention import AttentionPlan
 from engine_core.models.quantization.gguf_q8_0 import Q8_0LinearMethod

@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.decode_latency import busy_seconds
+from benchmarks.measure import busy_seconds
 from benchmarks.workload import add_workload_args, run_engine, warm_up_workload, workload_from_args
 from engine_core.engine import LLMEngine
 

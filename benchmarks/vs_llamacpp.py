@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.vs_vllm import QUIET_SHARE, VllmProcess, engine_format_kwargs, machine_busy_seconds, tree_cpu_seconds
+from benchmarks.measure import machine_busy_seconds, tree_cpu_seconds
+from benchmarks.vs_vllm import QUIET_SHARE, VllmProcess, engine_format_kwargs
 from benchmarks.workload import token_agreement
 from engine_core.engine import LLMEngine
 from engine_core.request import SamplingParams

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from benchmarks.measure import machine_busy_seconds, tree_cpu_seconds
 from benchmarks.throughput import load_hf, run_hf
 from benchmarks.workload import (Workload, add_workload_args, run_engine, token_agreement, warm_up_workload,
                                  workload_from_args)
@@ -122,39 +123,6 @@ def vllm_env(preloads: list[str] | None = None) -> dict[str, str]:
     else:
         env.pop("LD_PRELOAD", None)
     return env
-
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def machine_busy_seconds() -> float:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / _TICK  # user nice system irq softirq steal
-
-
-def tree_cpu_seconds(roots: list[int]) -> float:
-    """CPU seconds of this process (every thread, reaped children) and of `roots` and all their descendants."""
-    t = os.times()
-    total = t.user + t.system + t.children_user + t.children_system
-    parent: dict[int, int] = {}
-    times: dict[int, float] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parent[int(d.name)] = int(fields[1])
-        times[int(d.name)] = sum(int(x) for x in fields[11:15]) / _TICK  # utime stime cutime cstime
-    for pid in times:
-        p = pid
-        while p > 1 and p not in roots:
-            p = parent.get(p, 0)
-        if p in roots:
-            total += times[pid]
-    return total
 
 
 ENGINE_FORMATS = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"}}
