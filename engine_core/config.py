@@ -217,7 +217,7 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-    # Parallelism (docs/architecture.md#parallelism): tensor_parallel_size x pipeline_parallel_size worker
+    # Parallelism (docs/parallelism.md): tensor_parallel_size x pipeline_parallel_size worker
     # processes; shapes the model must divide are checked before any process starts
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1

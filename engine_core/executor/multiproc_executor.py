@@ -22,7 +22,7 @@ garbage collection of the executor and interpreter exit (a `weakref.finalize`) s
 Ctrl-C reaches only the engine (workers ignore it); a second Ctrl-C inside a step (the first is held
 until the step ends) leaves the ranks' replies unread, so the executor stops them too.
 
-Several machines (`nnodes` > 1; docs/architecture.md#parallelism has the commands): the group meets by
+Several machines (`nnodes` > 1; docs/parallelism.md has the commands): the group meets by
 `env://` (MASTER_ADDR, MASTER_PORT), this engine spawns node 0's ranks, and each other node's ranks
 (started by `python -m engine_core.executor.launch`) connect to the engine on MASTER_PORT + 1,
 authenticated by ENGINE_CORE_AUTHKEY (multiprocessing's HMAC handshake); a TCP connection then

@@ -1,7 +1,7 @@
 """The KV cache tensors: per layer one K and one V of `[num_blocks, block_size, num_kv_heads, head_dim]`.
 
 Slot `s` of a layer is `cache.view(-1, num_kv_heads, head_dim)[s]`, i.e. block `s // block_size`,
-offset `s % block_size` (the kernel contract, docs/architecture.md). The device cache is in the model dtype, or in
+offset `s % block_size` (the kernel contract, docs/kernel_contract.md). The device cache is in the model dtype, or in
 an fp8 format (`kv_cache_dtype` "fp8"/"fp8_e4m3" or "fp8_e5m2") with one K and one V scale per layer: fp32
 tensors of shape `[]`, or `[num_kv_heads]` with per-head scales, updated in place (CUDA graphs read them
 where they are). The CPU swap pool has the same layout; block copies are batched: one indexed copy per
