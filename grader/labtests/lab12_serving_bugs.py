@@ -25,6 +25,10 @@ BUGS = [
                "return min(self.running, key=lambda r: (r.priority, r.arrival_time))"),
     PlantedBug("victim_earliest_arrival_among_ties", "key=lambda r: (r.priority, r.arrival_time))",
                "key=lambda r: (r.priority, -r.arrival_time))"),
+    # removes the victim itself: the scheduler's _preempt removes it again
+    PlantedBug("victim_removed_from_running", "    return max(self.running, key=lambda r: (r.priority, r.arrival_time))\n",
+               "    victim = max(self.running, key=lambda r: (r.priority, r.arrival_time))\n"
+               "    self.running.remove(victim)\n    return victim\n"),
     PlantedBug("victim_ignores_priority", "key=lambda r: (r.priority, r.arrival_time))", "key=lambda r: r.arrival_time)"),
     # request_metrics
     PlantedBug("itl_includes_ttft", "itl = [b - a for a, b in zip(chunk_times, chunk_times[1:])]",
