@@ -12,6 +12,8 @@ those formulas.
 
 The library is built on first use (`build.py`: GCC or clang, OpenMP where it links); if that fails, `load()`
 warns once in one line with the reason and returns None, and the dispatch in `kernels` keeps the reference ops.
+The library's one interface is csrc/kernels_cpu.h (prototypes, status codes, argument structs, threading
+thresholds); `interface.py` mirrors it for ctypes.
 """
 from __future__ import annotations
 
@@ -25,13 +27,12 @@ from torch.profiler import record_function
 
 from kernels import reference
 from kernels.cpu.build import BuildError, build, detected
+from kernels.cpu.interface import (NO_MEMORY, STATUS, DecodeAttentionBlockArgs, PagedAttentionArgs,
+                                   ReshapeAndCacheArgs, RotaryEmbeddingArgs, declare)
 
 __all__ = ["DecodeAttentionBlock", "load", "load_error", "paged_attention", "paged_attention_decode",
            "reshape_and_cache", "rms_norm", "rotary_embedding", "silu_and_mul"]
 
-_ERRORS = {1: "a block table entry that a sequence uses is outside the cache", 2: "a slot is past the cache's end",
-           3: "a sequence needs more blocks than its block table row has", 4: "a position is outside the RoPE tables",
-           5: "a sequence's query rows (query_start_loc) fall or outnumber its tokens (seq_lens)", 6: "out of memory"}
 _lib: ctypes.CDLL | None = None
 _load_error: str | None = None
 
@@ -54,7 +55,7 @@ def load() -> ctypes.CDLL | None:
         if toolchain.openmp_flags is None:
             warnings.warn(f"kernels.cpu: {toolchain.cc} built the C kernels without OpenMP, so they run on one "
                           f"thread: {toolchain.openmp_hint}", RuntimeWarning, stacklevel=2)
-        _declare(lib)
+        declare(lib)
         _lib = lib
     return _lib
 
@@ -64,32 +65,11 @@ def load_error() -> str | None:
     return _load_error
 
 
-def _declare(lib: ctypes.CDLL) -> None:
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.reshape_and_cache.argtypes = [ptr] * 5 + [i64] * 9
-    for t in ("f32", "bf16"):
-        getattr(lib, f"paged_attention_decode_{t}").argtypes = [ptr] * 6 + [i64] * 11 + [ctypes.c_float]
-        getattr(lib, f"paged_attention_decode_{t}").restype = ctypes.c_int
-        getattr(lib, f"paged_attention_{t}").argtypes = [ptr] * 7 + [i64] * 10 + [ctypes.c_float]
-        getattr(lib, f"paged_attention_{t}").restype = ctypes.c_int
-        getattr(lib, f"rms_norm_{t}").argtypes = [ptr] * 3 + [i64] * 3 + [ctypes.c_float]
-        getattr(lib, f"silu_and_mul_{t}").argtypes = [ptr] * 2 + [i64] * 3
-        getattr(lib, f"rotary_embedding_{t}").argtypes = [ptr] * 4 + [i64] * 5
-        getattr(lib, f"rms_norm_{t}").restype = getattr(lib, f"silu_and_mul_{t}").restype = None
-        getattr(lib, f"rotary_embedding_{t}").restype = ctypes.c_int
-        getattr(lib, f"decode_attention_block_{t}").argtypes = [ptr] * 10 + [i64] * 11 + [ctypes.c_float]
-        getattr(lib, f"decode_attention_block_{t}").restype = ctypes.c_int
-    lib.reshape_and_cache.restype = ctypes.c_int
-    lib.ggml_mul_mat_a8.argtypes = [ptr] * 5 + [i64] * 6
-    for t in ("f32", "bf16"):
-        getattr(lib, f"skinny_gemm_{t}").argtypes = [ptr] * 5 + [i64] * 5
-        getattr(lib, f"skinny_gemm_{t}").restype = None
-    lib.ggml_mul_mat_a8.restype = ctypes.c_int
-
-
 def _check(status: int) -> None:
+    """Raise for a kernels_cpu_status other than 0 (csrc/kernels_cpu.h)."""
     if status:
-        raise IndexError(f"kernels.cpu: {_ERRORS.get(status, f'error {status}')}")
+        error = MemoryError if status == NO_MEMORY else IndexError
+        raise error(f"kernels.cpu: {STATUS.get(status, f'error {status}')}")
 
 
 def _profiled(name: str) -> contextlib.AbstractContextManager[object]:
@@ -158,10 +138,14 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
     # KV heads into runs only when there are too few sequences to keep every thread busy.
     head_splits = min(num_kv_heads, -(-_ITEMS_PER_THREAD * torch.get_num_threads() // max(num_seqs, 1)))
     with _profiled("kernels.cpu.paged_attention_decode"):
-        status = _typed(lib.paged_attention_decode_f32, lib.paged_attention_decode_bf16, query)(
-            out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
-            lens.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks, query.stride(0),
-            query.stride(1), tables.stride(0), tables.shape[1], head_splits, scale)
+        args = PagedAttentionArgs(
+            out=out.data_ptr(), query=query.data_ptr(), key_cache=key_cache.data_ptr(),
+            value_cache=value_cache.data_ptr(), block_tables=tables.data_ptr(), seq_lens=lens.data_ptr(),
+            num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            block_size=block_size, num_blocks=num_blocks, q_token_stride=query.stride(0),
+            q_head_stride=query.stride(1), table_stride=tables.stride(0), table_width=tables.shape[1],
+            head_splits=head_splits, scale=scale)
+        status = _typed(lib.paged_attention_decode_f32, lib.paged_attention_decode_bf16, query)(ctypes.byref(args))
     _check(status)
     return out
 
@@ -190,10 +174,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     tables, lens = _int32_tables(block_tables, seq_lens)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     with _profiled("kernels.cpu.paged_attention"):
-        status = _typed(lib.paged_attention_f32, lib.paged_attention_bf16, query)(
-            out.data_ptr(), query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
-            lens.data_ptr(), starts.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
-            query.stride(0), query.stride(1), tables.stride(0), tables.shape[1], scale)
+        args = PagedAttentionArgs(
+            out=out.data_ptr(), query=query.data_ptr(), key_cache=key_cache.data_ptr(),
+            value_cache=value_cache.data_ptr(), block_tables=tables.data_ptr(), seq_lens=lens.data_ptr(),
+            query_start_loc=starts.data_ptr(), num_seqs=num_seqs, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, block_size=block_size, num_blocks=num_blocks, q_token_stride=query.stride(0),
+            q_head_stride=query.stride(1), table_stride=tables.stride(0), table_width=tables.shape[1], scale=scale)
+        status = _typed(lib.paged_attention_f32, lib.paged_attention_bf16, query)(ctypes.byref(args))
     _check(status)
     return out
 
@@ -216,10 +203,13 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     if slots.shape != (num_tokens,):
         raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
     with _profiled("kernels.cpu.reshape_and_cache"):
-        status = lib.reshape_and_cache(
-            key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(),
-            num_tokens, num_kv_heads, head_dim, key_cache.shape[0] * key_cache.shape[1], key.stride(0),
-            key.stride(1), value.stride(0), value.stride(1), key.element_size())
+        args = ReshapeAndCacheArgs(
+            key=key.data_ptr(), value=value.data_ptr(), key_cache=key_cache.data_ptr(),
+            value_cache=value_cache.data_ptr(), slot_mapping=slots.data_ptr(), num_tokens=num_tokens,
+            num_kv_heads=num_kv_heads, head_dim=head_dim, num_slots=key_cache.shape[0] * key_cache.shape[1],
+            k_token_stride=key.stride(0), k_head_stride=key.stride(1), v_token_stride=value.stride(0),
+            v_head_stride=value.stride(1), elem_size=key.element_size())
+        status = lib.reshape_and_cache(ctypes.byref(args))
     _check(status)
 
 
@@ -278,9 +268,10 @@ def rotary_embedding(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     if pos.shape != (tokens,):
         raise ValueError(f"positions must be [{tokens}], got {tuple(positions.shape)}")
     with _profiled("kernels.cpu.rotary_embedding"):
-        status = _typed(lib.rotary_embedding_f32, lib.rotary_embedding_bf16, x)(
-            x.data_ptr(), pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, head_dim, x.stride(0),
-            cos.shape[0])
+        args = RotaryEmbeddingArgs(x=x.data_ptr(), positions=pos.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
+                                   tokens=tokens, heads=heads, head_dim=head_dim, token_stride=x.stride(0),
+                                   max_positions=cos.shape[0])
+        status = _typed(lib.rotary_embedding_f32, lib.rotary_embedding_bf16, x)(ctypes.byref(args))
     _check(status)
 
 
@@ -310,11 +301,14 @@ class DecodeAttentionBlock:
         self.num_heads, self.num_kv_heads, self.head_dim, self.tokens = num_heads, num_kv_heads, head_dim, tokens
         self.width = (num_heads + 2 * num_kv_heads) * head_dim
         head_splits = min(num_kv_heads, -(-_ITEMS_PER_THREAD * torch.get_num_threads() // tokens))
-        # every argument but the output, qkv and the caches, in the C function's order
-        self.step_args = (self.positions.data_ptr(), cos.data_ptr(), sin.data_ptr())
-        self.table_args = (self.slots.data_ptr(), self.tables.data_ptr(), self.lens.data_ptr(), tokens, num_heads,
-                           num_kv_heads, head_dim)
-        self.tail_args = (self.tables.stride(0), self.tables.shape[1], head_splits, cos.shape[0])
+        # the step's arguments, set once; each layer sets its own output, qkv, caches and scale
+        self.args = DecodeAttentionBlockArgs(
+            positions=self.positions.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
+            slot_mapping=self.slots.data_ptr(), block_tables=self.tables.data_ptr(), seq_lens=self.lens.data_ptr(),
+            tokens=tokens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            table_stride=self.tables.stride(0), table_width=self.tables.shape[1], head_splits=head_splits,
+            max_positions=cos.shape[0])
+        self.args_ref = ctypes.byref(self.args)
 
     def __call__(self, qkv: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  scale: float) -> torch.Tensor:
@@ -330,9 +324,12 @@ class DecodeAttentionBlock:
                              f"fit a step of {self.tokens} tokens, {self.num_heads} heads on {self.num_kv_heads} KV "
                              f"heads of {self.head_dim} in {self.dtype}")
         out = torch.empty(self.tokens, self.num_heads * self.head_dim, dtype=self.dtype)
+        args = self.args
+        args.out, args.qkv, args.key_cache, args.value_cache = (out.data_ptr(), qkv.data_ptr(), key_cache.data_ptr(),
+                                                                value_cache.data_ptr())
+        args.block_size, args.num_blocks, args.qkv_stride, args.scale = (key_cache.shape[1], key_cache.shape[0],
+                                                                         qkv.stride(0), scale)
         with _profiled("kernels.cpu.decode_attention_block"):
-            status = self.fn(out.data_ptr(), qkv.data_ptr(), *self.step_args, key_cache.data_ptr(),
-                             value_cache.data_ptr(), *self.table_args, key_cache.shape[1], key_cache.shape[0],
-                             qkv.stride(0), *self.tail_args, scale)
+            status = self.fn(self.args_ref)
         _check(status)
         return out

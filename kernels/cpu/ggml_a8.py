@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.cpu import _profiled, load
+from kernels.cpu.interface import GgmlMulMatA8Args
 from kernels.quant_reference import GGML_BLOCK
 
 __all__ = ["GgmlA8Weight", "ggml_a8_applies", "ggml_mul_mat_a8", "pack_q4_1", "pack_q8_0"]
@@ -117,8 +118,9 @@ def ggml_mul_mat_a8(x: torch.Tensor, w: GgmlA8Weight, lib: ctypes.CDLL | None = 
     out = torch.empty(m, w.n, dtype=x.dtype)
     if m:
         with _profiled("kernels.cpu.ggml_a8.ggml_mul_mat_a8"):
-            status = lib.ggml_mul_mat_a8(out.data_ptr(), rows.data_ptr(), *w.args, m, w.n, w.k, rows.stride(0), w.bits,
-                                         _DTYPES[x.dtype])
-        if status:
+            args = GgmlMulMatA8Args(out.data_ptr(), rows.data_ptr(), *w.args, m, w.n, w.k,  # out, x, w, dw, mw, m, n,
+                                    rows.stride(0), w.bits, _DTYPES[x.dtype])  # k, x_stride, bits, bf16
+            status = lib.ggml_mul_mat_a8(ctypes.byref(args))
+        if status:  # KERNELS_CPU_NO_MEMORY, its only failure
             raise MemoryError(f"ggml_mul_mat_a8: no memory for {m} quantized activation rows")
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], w.n)

@@ -15,6 +15,7 @@ import ctypes
 import torch
 
 from kernels.cpu import _profiled, load, load_error
+from kernels.cpu.interface import SkinnyGemmArgs
 
 __all__ = ["SKINNY_MAX_ROWS", "skinny_gemm", "skinny_gemm_applies"]
 
@@ -61,10 +62,11 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out = torch.empty(m, n, dtype=x.dtype)
     if m and n:
         with _profiled("kernels.cpu.skinny_gemm"):
-            (lib.skinny_gemm_bf16 if x.dtype == torch.bfloat16 else lib.skinny_gemm_f32)(
-                out.data_ptr(), x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                None if residual is None else residual.data_ptr(), m, n, k, x.stride(0),
-                0 if residual is None else residual.stride(0))
+            args = SkinnyGemmArgs(out.data_ptr(), x.data_ptr(), weight.data_ptr(),  # y, x, w, bias, residual, m, n, k,
+                                  None if bias is None else bias.data_ptr(),  # x_stride, residual_stride
+                                  None if residual is None else residual.data_ptr(), m, n, k, x.stride(0),
+                                  0 if residual is None else residual.stride(0))
+            (lib.skinny_gemm_bf16 if x.dtype == torch.bfloat16 else lib.skinny_gemm_f32)(ctypes.byref(args))
     return out
 
 

@@ -19,6 +19,7 @@ from kernel_cases import assert_attention_close, awkward_lengths, max_abs_value,
 
 from grader.harness import make_paged_kv
 from kernels import cpu, reference
+from kernels.cpu.interface import declare
 from kernels.cpu.build import build as build_library
 
 CPU = torch.device("cpu")
@@ -81,7 +82,7 @@ def test_decode_bf16_without_avx512bf16(seed: int, head_dim: int, group: int,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The 8-wide bf16 kernel, which CPUs without AVX512-BF16 run, built and checked here too."""
     lib = ctypes.CDLL(str(build_library(("-mno-avx512bf16",))))
-    cpu._declare(lib)
+    declare(lib)
     monkeypatch.setattr(cpu, "load", lambda: lib)
     _check_bf16_decode(seed, 5, 16, group, head_dim)
 

@@ -35,6 +35,7 @@ from test_kernels_cpu_skinny_gemm import (  # noqa: F401
 from test_kernels_ggml_a8 import test_matches_the_reference_sums  # noqa: F401
 
 from kernels import cpu
+from kernels.cpu.interface import declare
 from kernels.cpu.build import build, detect
 
 
@@ -52,6 +53,6 @@ def other_build(request: pytest.FixtureRequest):
         path = build(toolchain=toolchain)
     lib = ctypes.CDLL(str(path))
     with pytest.MonkeyPatch.context() as patch:
-        cpu._declare(lib)
+        declare(lib)
         patch.setattr(cpu, "_lib", lib)
         yield request.param

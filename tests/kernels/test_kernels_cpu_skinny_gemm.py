@@ -16,8 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import _declare, load, load_error
+from kernels.cpu import load, load_error
 from kernels.cpu.build import build
+from kernels.cpu.interface import declare
 from kernels.cpu.skinny_gemm import SKINNY_MAX_ROWS, skinny_gemm, skinny_gemm_applies
 
 U = 2.0**-24
@@ -89,7 +90,7 @@ def test_the_thread_count_changes_no_bit(dtype) -> None:
 @pytest.mark.parametrize("flags", [("-mno-avx512bf16",), ("-mno-avx512f",)], ids=["no-avx512bf16", "no-avx512"])
 def test_the_portable_paths_match_too(flags) -> None:
     lib = ctypes.CDLL(str(build(flags)))
-    _declare(lib)
+    declare(lib)
     for dtype in (torch.float32, torch.bfloat16):
         for m, n, k in SHAPES:
             x, w, b, res = _inputs(m, n, k, dtype, seed=n)

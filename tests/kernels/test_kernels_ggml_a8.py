@@ -13,8 +13,9 @@ import ctypes
 import pytest
 import torch
 
-from kernels.cpu import _declare, load, load_error
+from kernels.cpu import load, load_error
 from kernels.cpu.build import build
+from kernels.cpu.interface import declare
 from kernels.cpu.ggml_a8 import ggml_mul_mat_a8, pack_q4_1, pack_q8_0
 from kernels.quant_reference import ggml_a8_gemm, quantize_q8_1
 
@@ -63,7 +64,7 @@ def test_matches_the_reference_sums(m, n, k, dtype) -> None:
 def test_the_portable_c_path_matches_too() -> None:
     """The same sums without vpdpbusd: a build with -mno-avx512vnni (the scalar loops other CPUs run)."""
     lib = ctypes.CDLL(str(build(("-mno-avx512vnni",))))
-    _declare(lib)
+    declare(lib)
     for m, n, k in SHAPES[:4]:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
         for w, q, dw, mw in _cases(m, n, k, seed=k):

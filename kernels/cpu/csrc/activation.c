@@ -4,11 +4,11 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels_cpu.h"
 #include "vec8.h"
 
-/* elements where both threads pay: ~3 ns each serially (exp and a division), so 16k take ~50 us against a
- * parallel region's few; at 64k, decode steps of up to 42 rows of 1536 ran on one core */
-#define SILU_PARALLEL_MIN 16384
+/* SILU_PARALLEL_MIN: elements where both threads pay: ~3 ns each serially (exp and a division), so 16k take
+ * ~50 us against a parallel region's few; at 64k, decode steps of up to 42 rows of 1536 ran on one core */
 
 void silu_and_mul_f32(float *out, const float *x, int64_t rows, int64_t d, int64_t x_stride) {
     const int64_t body = d / 8 * 8;

@@ -9,49 +9,33 @@
  * qkv [tokens, (num_heads + 2 num_kv_heads) * head_dim] with row stride qkv_stride (q heads, then k, then v,
  * head_dim contiguous); one query row per sequence (tokens == sequences, a decode-only step). Returns 0 or
  * the first failing kernel's status (a bad position before anything is written; a bad slot or block). */
-#include <stdint.h>
+#include <stddef.h>
 
-#include "vec8.h"
+#include "kernels_cpu.h"
 
-int rotary_embedding_f32(float *x, const int64_t *positions, const float *cos, const float *sin, int64_t tokens,
-                         int64_t heads, int64_t head_dim, int64_t token_stride, int64_t max_positions);
-int rotary_embedding_bf16(bf16_t *x, const int64_t *positions, const bf16_t *cos, const bf16_t *sin, int64_t tokens,
-                          int64_t heads, int64_t head_dim, int64_t token_stride, int64_t max_positions);
-int reshape_and_cache(const char *key, const char *value, char *key_cache, char *value_cache,
-                      const int64_t *slot_mapping, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim,
-                      int64_t num_slots, int64_t k_token_stride, int64_t k_head_stride, int64_t v_token_stride,
-                      int64_t v_head_stride, int64_t elem_size);
-int paged_attention_decode_f32(float *out, const float *query, const float *key_cache, const float *value_cache,
-                               const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
-                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                               int64_t num_blocks, int64_t q_seq_stride, int64_t q_head_stride,
-                               int64_t table_stride, int64_t table_width, int64_t head_splits, float scale);
-int paged_attention_decode_bf16(bf16_t *out, const bf16_t *query, const bf16_t *key_cache,
-                                const bf16_t *value_cache, const int32_t *block_tables, const int32_t *seq_lens,
-                                int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                int64_t block_size, int64_t num_blocks, int64_t q_seq_stride, int64_t q_head_stride,
-                                int64_t table_stride, int64_t table_width, int64_t head_splits, float scale);
-
-#define DEFINE_BLOCK(T, SUFFIX)                                                                                  \
-    int decode_attention_block_##SUFFIX(                                                                         \
-        T *out, T *qkv, const int64_t *positions, const T *cos, const T *sin, T *key_cache, T *value_cache,     \
-        const int64_t *slot_mapping, const int32_t *block_tables, const int32_t *seq_lens, int64_t tokens,      \
-        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,      \
-        int64_t qkv_stride, int64_t table_stride, int64_t table_width, int64_t head_splits,                     \
-        int64_t max_positions, float scale) {                                                                    \
-        int rc = rotary_embedding_##SUFFIX(qkv, positions, cos, sin, tokens, num_heads + num_kv_heads, head_dim, \
-                                           qkv_stride, max_positions);                                          \
-        if (rc) return rc;                                                                                       \
-        const T *key = qkv + num_heads * head_dim, *value = key + num_kv_heads * head_dim;                       \
-        rc = reshape_and_cache((const char *)key, (const char *)value, (char *)key_cache, (char *)value_cache,  \
-                               slot_mapping, tokens, num_kv_heads, head_dim, num_blocks * block_size,           \
-                               qkv_stride, head_dim, qkv_stride, head_dim, sizeof(T));                          \
-        if (rc) return rc;                                                                                       \
-        return paged_attention_decode_##SUFFIX(out, qkv, key_cache, value_cache, block_tables, seq_lens, tokens, \
-                                               num_heads, num_kv_heads, head_dim, block_size, num_blocks,       \
-                                               qkv_stride, head_dim, table_stride, table_width, head_splits,    \
-                                               scale);                                                           \
+/* ELEM: the element's size in bytes */
+#define DEFINE_BLOCK(SUFFIX, ELEM)                                                                                \
+    int decode_attention_block_##SUFFIX(const decode_attention_block_args *a) {                                 \
+        const int64_t elem = ELEM;                                                                              \
+        const rotary_embedding_args rope = {a->qkv, a->positions, a->cos, a->sin, a->tokens,                   \
+                                            a->num_heads + a->num_kv_heads, a->head_dim, a->qkv_stride,       \
+                                            a->max_positions};                                                \
+        int rc = rotary_embedding_##SUFFIX(&rope);                                                              \
+        if (rc) return rc;                                                                                      \
+        const char *key = (const char *)a->qkv + a->num_heads * a->head_dim * elem;                             \
+        const reshape_and_cache_args write = {key, key + a->num_kv_heads * a->head_dim * elem, a->key_cache,     \
+                                              a->value_cache, a->slot_mapping, a->tokens, a->num_kv_heads,      \
+                                              a->head_dim, a->num_blocks * a->block_size, a->qkv_stride,       \
+                                              a->head_dim, a->qkv_stride, a->head_dim, elem};                   \
+        rc = reshape_and_cache(&write);                                                                         \
+        if (rc) return rc;                                                                                      \
+        const paged_attention_args attend = {a->out, a->qkv, a->key_cache, a->value_cache, a->block_tables,    \
+                                             a->seq_lens, NULL, a->tokens, a->num_heads, a->num_kv_heads,      \
+                                             a->head_dim, a->block_size, a->num_blocks, a->qkv_stride,         \
+                                             a->head_dim, a->table_stride, a->table_width, a->head_splits,     \
+                                             a->scale};                                                        \
+        return paged_attention_decode_##SUFFIX(&attend);                                                        \
     }
 
-DEFINE_BLOCK(float, f32)
-DEFINE_BLOCK(bf16_t, bf16)
+DEFINE_BLOCK(f32, 4)
+DEFINE_BLOCK(bf16, 2)

@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels_cpu.h"
 #include "vec8.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -164,11 +165,15 @@ static void compute_tile(const uint8_t *w, const uint16_t *dw, const uint16_t *m
 }
 #endif
 
-/* out [m][n] (fp32, or bf16 when `bf16`) = x [m][k] (rows x_stride apart; fp32 or bf16) times the packed
- * weight (n rows, mw unused for 8 bits). Returns 0, or 5 when the scratch for the quantized activations
- * cannot be allocated. */
-int ggml_mul_mat_a8(void *out, const void *x, const uint8_t *w, const uint16_t *dw, const uint16_t *mw, int64_t m,
-                    int64_t n, int64_t k, int64_t x_stride, int64_t bits, int64_t bf16) {
+/* The arguments: ggml_mul_mat_a8_args (kernels_cpu.h). Returns 0, or KERNELS_CPU_NO_MEMORY when the scratch
+ * for the quantized activations cannot be allocated. */
+int ggml_mul_mat_a8(const ggml_mul_mat_a8_args *args) {
+    void *out = args->out;
+    const void *x = args->x;
+    const uint8_t *w = args->w;
+    const uint16_t *dw = args->dw, *mw = args->mw;
+    const int64_t m = args->m, n = args->n, k = args->k, x_stride = args->x_stride, bits = args->bits;
+    const int64_t bf16 = args->bf16;
     const int64_t nb = k / QK, tiles = (n + TILE - 1) / TILE, tile_bytes = nb * (bits == 4 ? 256 : 512);
     /* bf16 rows are widened to fp32 first; fp32 rows are quantized where they are */
     float *rows = bf16 ? malloc(sizeof(float) * (size_t)(m * k)) : NULL, *dx = malloc(sizeof(float) * (size_t)(m * nb)),
@@ -176,9 +181,9 @@ int ggml_mul_mat_a8(void *out, const void *x, const uint8_t *w, const uint16_t *
     int8_t *xq = malloc((size_t)(m * k));
     if ((bf16 && !rows) || !dx || !sx || !xq) {
         free(rows), free(dx), free(sx), free(xq);
-        return 5;
+        return KERNELS_CPU_NO_MEMORY;
     }
-#pragma omp parallel for schedule(static) if (m >= 8)
+#pragma omp parallel for schedule(static) if (m >= GGML_A8_QUANTIZE_PARALLEL_MIN)
     for (int64_t t = 0; t < m; t++) {
         const float *xt;
         if (bf16) {

@@ -4,13 +4,13 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels_cpu.h"
 #include "vec8.h"
 
-/* rows x width from which the rows go to the OpenMP threads (SiLU's threshold too): a decode step's 32-100 rows
+/* RMS_NORM_PARALLEL_MIN (kernels_cpu.h): rows x width from which the rows go to the OpenMP threads (SiLU's threshold too): a decode step's 32-100 rows
  * of 512-576 are 16-58k elements, and threading them took 1.3-1.6x off the call (bf16 11.4 -> 8.9 us at 32 x
  * 512, 34.5 -> 25.8 at 100 x 576; fp32 15.2 -> 9.8 at 100 x 576; 2 threads, an Intel Xeon); at 64k they ran
  * on one core (docs/benchmarks.md). */
-#define RMS_NORM_PARALLEL_MIN 16384
 
 void rms_norm_f32(float *out, const float *x, const float *weight, int64_t rows, int64_t width, int64_t x_stride,
                   float eps) {

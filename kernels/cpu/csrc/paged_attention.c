@@ -19,13 +19,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels_cpu.h"
 #include "vec8.h"
-
-#define KERNELS_CPU_BAD_BLOCK 1
-#define KERNELS_CPU_SHORT_TABLE 3
-#define KERNELS_CPU_BAD_QUERY_LEN 5
-#define KERNELS_CPU_NO_MEMORY 6
-#define PARALLEL_MIN_WORK 8192 /* (query row, context token, head) triples */
 
 #define T float
 #define FN(name) name##_f32

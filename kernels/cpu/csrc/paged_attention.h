@@ -95,14 +95,16 @@ static int FN(tile)(T *out, int64_t out_stride, const T *q, int64_t q_stride, in
     }
 }
 
-/* out [tokens, num_heads, head_dim] contiguous; query rows at q_token_stride / q_head_stride (head_dim
- * contiguous); sequence s owns rows query_start_loc[s] .. query_start_loc[s + 1] - 1, its last positions
- * of seq_lens[s] tokens; block_tables [num_seqs, table_width] int32, row stride table_stride. */
-int FN(paged_attention)(T *out, const T *query, const T *key_cache, const T *value_cache, const int32_t *block_tables,
-                        const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
-                        int64_t q_token_stride, int64_t q_head_stride, int64_t table_stride, int64_t table_width,
-                        float scale) {
+/* The arguments: paged_attention_args (kernels_cpu.h), query_start_loc read, head_splits not. */
+int FN(paged_attention)(const paged_attention_args *a) {
+    T *out = a->out;
+    const T *query = a->query, *key_cache = a->key_cache, *value_cache = a->value_cache;
+    const int32_t *block_tables = a->block_tables, *seq_lens = a->seq_lens, *query_start_loc = a->query_start_loc;
+    const int64_t num_seqs = a->num_seqs, num_heads = a->num_heads, num_kv_heads = a->num_kv_heads;
+    const int64_t head_dim = a->head_dim, block_size = a->block_size, num_blocks = a->num_blocks;
+    const int64_t q_token_stride = a->q_token_stride, q_head_stride = a->q_head_stride;
+    const int64_t table_stride = a->table_stride, table_width = a->table_width;
+    const float scale = a->scale;
     const int64_t group = num_heads / num_kv_heads;
     int64_t *first_tile = malloc((num_seqs + 1) * sizeof(int64_t)); /* the sequences' tile counts, summed */
     if (!first_tile) return KERNELS_CPU_NO_MEMORY;
@@ -119,7 +121,7 @@ int FN(paged_attention)(T *out, const T *query, const T *key_cache, const T *val
     }
     const int64_t items = first_tile[num_seqs] * num_heads; /* (tile, query head), heads of a tile adjacent */
     int status = 0;
-#pragma omp parallel for schedule(dynamic, 1) if (items > 1 && work * num_heads >= PARALLEL_MIN_WORK)
+#pragma omp parallel for schedule(dynamic, 1) if (items > 1 && work * num_heads >= PREFILL_PARALLEL_MIN)
     for (int64_t i = 0; i < items; i++) {
         const int64_t tile = i / num_heads, head = i % num_heads;
         int64_t lo = 0, hi = num_seqs; /* the sequence s with first_tile[s] <= tile < first_tile[s + 1] */

@@ -29,11 +29,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kernels_cpu.h"
 #include "vec8.h"
-
-#define KERNELS_CPU_BAD_BLOCK 1
-#define KERNELS_CPU_SHORT_TABLE 3
-#define PARALLEL_MIN_WORK 8192 /* (context token, query head) pairs: ~1 MFLOP at head_dim 64 */
 
 /* Ask for one token's rows of the next block (heads [h0, h1): `bytes` from k and from v), a 64-byte line at a
  * time: blocks sit anywhere in the cache, so the hardware prefetcher cannot guess the next one. */

@@ -118,14 +118,17 @@ static int FN(attend)(T *out, const T *q, int64_t q_head_stride, const T *key_ca
     }
 }
 
-/* out [num_seqs, num_heads, head_dim] contiguous; query rows at q_seq_stride / q_head_stride (head_dim
- * contiguous); block_tables [num_seqs, table_width] int32 with row stride table_stride; seq_lens int32;
- * head_splits: how many runs each sequence's KV heads are cut into (1 .. num_kv_heads). */
-int FN(paged_attention_decode)(T *out, const T *query, const T *key_cache, const T *value_cache,
-                               const int32_t *block_tables, const int32_t *seq_lens, int64_t num_seqs,
-                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                               int64_t num_blocks, int64_t q_seq_stride, int64_t q_head_stride,
-                               int64_t table_stride, int64_t table_width, int64_t head_splits, float scale) {
+/* The arguments: paged_attention_args (kernels_cpu.h), one query row per sequence (q_token_stride apart),
+ * head_splits read, query_start_loc not. */
+int FN(paged_attention_decode)(const paged_attention_args *a) {
+    T *out = a->out;
+    const T *query = a->query, *key_cache = a->key_cache, *value_cache = a->value_cache;
+    const int32_t *block_tables = a->block_tables, *seq_lens = a->seq_lens;
+    const int64_t num_seqs = a->num_seqs, num_heads = a->num_heads, num_kv_heads = a->num_kv_heads;
+    const int64_t head_dim = a->head_dim, block_size = a->block_size, num_blocks = a->num_blocks;
+    const int64_t q_seq_stride = a->q_token_stride, q_head_stride = a->q_head_stride;
+    const int64_t table_stride = a->table_stride, table_width = a->table_width, head_splits = a->head_splits;
+    const float scale = a->scale;
     const int64_t group = num_heads / num_kv_heads;
     const int64_t items = num_seqs * head_splits;
     int status = 0;
@@ -133,7 +136,7 @@ int FN(paged_attention_decode)(T *out, const T *query, const T *key_cache, const
      * holds the other core): a batch-1 step over a short context is a few microseconds of arithmetic. */
     int64_t context __attribute__((unused)) = 0; /* read only by OpenMP's `if` clause */
     for (int64_t s = 0; s < num_seqs; s++) context += seq_lens[s];
-#pragma omp parallel for schedule(dynamic, 1) if (items > 1 && context * num_heads >= PARALLEL_MIN_WORK)
+#pragma omp parallel for schedule(dynamic, 1) if (items > 1 && context * num_heads >= DECODE_PARALLEL_MIN)
     for (int64_t i = 0; i < items; i++) {
         const int64_t s = i / head_splits, part = i % head_splits;
         const int64_t h0 = num_kv_heads * part / head_splits, h1 = num_kv_heads * (part + 1) / head_splits;

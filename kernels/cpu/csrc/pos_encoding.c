@@ -6,15 +6,17 @@
  * KERNELS_CPU_BAD_POSITION when a position lies outside the tables (that token is left as is). */
 #include <stdint.h>
 
+#include "kernels_cpu.h"
 #include "vec8.h"
 
-#define KERNELS_CPU_BAD_POSITION 4
-
-int rotary_embedding_f32(float *x, const int64_t *positions, const float *cos, const float *sin, int64_t tokens,
-                         int64_t heads, int64_t head_dim, int64_t token_stride, int64_t max_positions) {
+int rotary_embedding_f32(const rotary_embedding_args *a) {
+    float *x = a->x;
+    const float *cos = a->cos, *sin = a->sin;
+    const int64_t *positions = a->positions, tokens = a->tokens, heads = a->heads, head_dim = a->head_dim;
+    const int64_t token_stride = a->token_stride, max_positions = a->max_positions;
     const int64_t half = head_dim / 2, body = half / 8 * 8;
     int status = 0;
-#pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= 65536)
+#pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= ROPE_PARALLEL_MIN)
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t pos = positions[t];
         if (pos < 0 || pos >= max_positions) {
@@ -43,11 +45,14 @@ int rotary_embedding_f32(float *x, const int64_t *positions, const float *cos, c
 
 /* bf16 x and tables, in the PyTorch formula's bf16 order: every product rounded to bf16, then the
  * sum or difference rounded: x1 <- bf16(bf16(x1 c) - bf16(x2 s)), x2 <- bf16(bf16(x2 c) + bf16(x1 s)). */
-int rotary_embedding_bf16(bf16_t *x, const int64_t *positions, const bf16_t *cos, const bf16_t *sin, int64_t tokens,
-                          int64_t heads, int64_t head_dim, int64_t token_stride, int64_t max_positions) {
+int rotary_embedding_bf16(const rotary_embedding_args *a) {
+    bf16_t *x = a->x;
+    const bf16_t *cos = a->cos, *sin = a->sin;
+    const int64_t *positions = a->positions, tokens = a->tokens, heads = a->heads, head_dim = a->head_dim;
+    const int64_t token_stride = a->token_stride, max_positions = a->max_positions;
     const int64_t half = head_dim / 2, body = half / 8 * 8;
     int status = 0;
-#pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= 65536)
+#pragma omp parallel for schedule(static) if (tokens * heads * head_dim >= ROPE_PARALLEL_MIN)
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t pos = positions[t];
         if (pos < 0 || pos >= max_positions) {

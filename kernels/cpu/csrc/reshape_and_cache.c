@@ -9,15 +9,18 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KERNELS_CPU_BAD_SLOT 2
+#include "kernels_cpu.h"
 
-int reshape_and_cache(const char *key, const char *value, char *key_cache, char *value_cache,
-                      const int64_t *slot_mapping, int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim,
-                      int64_t num_slots, int64_t k_token_stride, int64_t k_head_stride, int64_t v_token_stride,
-                      int64_t v_head_stride, int64_t elem_size) {
+int reshape_and_cache(const reshape_and_cache_args *a) {
+    const char *key = a->key, *value = a->value;
+    char *key_cache = a->key_cache, *value_cache = a->value_cache;
+    const int64_t *slot_mapping = a->slot_mapping, num_tokens = a->num_tokens, num_kv_heads = a->num_kv_heads;
+    const int64_t head_dim = a->head_dim, num_slots = a->num_slots, elem_size = a->elem_size;
+    const int64_t k_token_stride = a->k_token_stride, k_head_stride = a->k_head_stride;
+    const int64_t v_token_stride = a->v_token_stride, v_head_stride = a->v_head_stride;
     const size_t row = elem_size * head_dim;
     int status = 0;
-#pragma omp parallel for schedule(static) if (num_tokens >= 256)
+#pragma omp parallel for schedule(static) if (num_tokens >= CACHE_WRITE_PARALLEL_MIN)
     for (int64_t t = 0; t < num_tokens; t++) {
         const int64_t slot = slot_mapping[t];
         if (slot < 0) continue;

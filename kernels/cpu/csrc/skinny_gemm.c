@@ -14,6 +14,7 @@
  * run on 8-float vectors. Any row count works: rows go in groups of 4, a tile of w reread from L1. */
 #include <stdint.h>
 
+#include "kernels_cpu.h"
 #include "vec8.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -22,9 +23,6 @@
 #endif
 
 enum { GROUP = 4, CH = 4 }; /* rows of x at once; partial sums per dot product */
-
-/* elements of w from which a second thread pays for its wake-up (~4 us of one core's streaming) */
-#define SKINNY_PARALLEL_MIN (1 << 16)
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -116,8 +114,10 @@ INLINE void row_bf16(const bf16_t *x, const bf16_t *w, int rows, int64_t k, int6
     }
 
 /* Each thread one contiguous run of w's rows (static schedule), read in order. */
-void skinny_gemm_f32(float *y, const float *x, const float *w, const float *bias, const float *residual, int64_t m,
-                     int64_t n, int64_t k, int64_t x_stride, int64_t residual_stride) {
+void skinny_gemm_f32(const skinny_gemm_args *a) {
+    float *y = a->y;
+    const float *x = a->x, *w = a->w, *bias = a->bias, *residual = a->residual;
+    const int64_t m = a->m, n = a->n, k = a->k, x_stride = a->x_stride, residual_stride = a->residual_stride;
 #define STORE_F32(row, col, v)                                                                                \
     do {                                                                                                   \
         const float out = (v) + (bias ? bias[col] : 0.0f);                                                 \
@@ -130,8 +130,10 @@ void skinny_gemm_f32(float *y, const float *x, const float *w, const float *bias
 #undef STORE_F32
 }
 
-void skinny_gemm_bf16(bf16_t *y, const bf16_t *x, const bf16_t *w, const bf16_t *bias, const bf16_t *residual,
-                      int64_t m, int64_t n, int64_t k, int64_t x_stride, int64_t residual_stride) {
+void skinny_gemm_bf16(const skinny_gemm_args *a) {
+    bf16_t *y = a->y;
+    const bf16_t *x = a->x, *w = a->w, *bias = a->bias, *residual = a->residual;
+    const int64_t m = a->m, n = a->n, k = a->k, x_stride = a->x_stride, residual_stride = a->residual_stride;
 #define STORE_BF16(row, col, v)                                                                               \
     do {                                                                                                   \
         const float out = (v) + (bias ? bf16_to_f32(bias[col]) : 0.0f);                                    \
