@@ -1,34 +1,12 @@
 """LLMEngine: requests in, one scheduler step + one forward per `step()`, RequestOutputs out.
 
-A step is three calls, as in vLLM v1's `EngineCore.step`: `Scheduler.schedule()` -> the step's
-`SchedulerOutput`, `ModelRunner.execute_model(scheduler_output)` -> `ModelRunnerOutput`,
-`Scheduler.update_from_output(scheduler_output, model_runner_output)`. The runner learns about
-requests from that one message only (new, resumed, preempted, finished and aborted ones), except
-after a failed step, when it forgets them all (`_recover`).
-
-Built in this order: parse the model folder once (`ModelConfig`), resolve every `auto` of the
-EngineConfig once (`ResolvedConfig`), let the model runner load the weights and size the KV cache
-(`KVCacheConfig`), allocate it, then build the Scheduler with its preemption cost model. Every
-add_request check runs before any state changes, so a bad request is rejected without disturbing
-the others.
-
-The engine is single-threaded, checked (engine_core.guard): a second thread, or a call from
-inside a step, gets EngineBusyError; only `abort_request` may come from any thread. A request
-whose forward raises or whose logits are NaN finishes with finish_reason "error" and the others
-go on. A step is all-or-nothing: Ctrl-C is held until it ends (engine_core.interrupts), and a
-step that raises part-way is rolled back to a consistent state (`Scheduler.requeue_for_recompute`).
-
-The model runs behind an executor (engine_core.executor): in this process
-(`UniProcExecutor`, `self.runner` is its runner) or sharded over tensor_parallel_size x
-pipeline_parallel_size worker processes (`MultiprocExecutor`; `self.runner` is None). `shutdown()`
-stops the workers; garbage collection and interpreter exit do too.
-
-With pipeline_parallel_size = p > 1 a step is vLLM v1's `step_with_batch_queue`: the engine keeps up to
-p scheduled steps in flight (`batch_queue`), so stage 0 runs step n + 1 while stage 1 runs step n. A
-step schedules a new batch when the queue has room (from requests not in flight: `Scheduler.in_flight`)
-and sends it without waiting; when the queue is full, or nothing new could be scheduled, it waits for
-the oldest batch and applies its output (`update_from_output`, in the order the batches were sent).
-A step that only schedules returns no outputs. With p = 1 a step is the three calls in a row.
+A step is three calls (vLLM v1's `EngineCore.step`): `Scheduler.schedule()`, `Executor.execute_model`,
+`Scheduler.update_from_output`; with pipeline_parallel_size = p > 1 up to p steps are in flight
+(`batch_queue`, vLLM's `step_with_batch_queue`). The engine reaches the model only through its executor.
+What it guarantees: every add_request check runs before any state changes; one thread, checked
+(engine_core.guard; only `abort_request` may come from any thread); a request whose forward fails finishes
+with "error" and the others go on; a step is all-or-nothing (Ctrl-C held to its end, `_recover` rolls a
+failed step back). The step end to end, the build order: docs/architecture.md; the rules: docs/engine_rules.md.
 """
 from __future__ import annotations
 

@@ -1,31 +1,12 @@
 """The continuous-batching scheduler (vLLM v1 style): one token budget per step.
 
-A step is three calls (vLLM v1's `EngineCore.step`): `schedule()` returns the step's one
-`SchedulerOutput`, the model runner executes it (`ModelRunnerOutput`), and
-`update_from_output(scheduler_output, model_runner_output)` applies the result: tokens appended,
-requests whose step failed or that stop finished here, their blocks freed.
-
-Each step, `schedule()` hands out `max_num_batched_tokens` tokens: first to running
-requests in order (decodes and unfinished prefill chunks), preempting the lowest-priority
-running requests when blocks run out; then swapped requests are brought back; then
-waiting requests are admitted from the head of the waiting queue after a prefix-cache lookup.
-The queue's order is `scheduling_policy`'s (engine_core/core/request_queue.py): arrival
-(FCFS), or (priority, arrival) with "priority". With LoRA, a step
-never runs more than `max_loras` distinct adapters (`_lora_slot_available`). A request only
-has `num_computed_tokens` that must catch up with `num_tokens`: no prefill/decode phases.
-
-With `enable_chunked_prefill=False` a request's remaining tokens are scheduled whole or
-not at all, and the budget is raised to at least `max_model_len`, so any prompt that
-fits the model can be scheduled (vLLM requires the same of its engine arguments).
-`long_prefill_token_threshold` caps a request's tokens per step only with chunked prefill.
-
-With `speculative_config`, `schedule()` then gives each one-token decode draft tokens (n-gram prompt
-lookup; with method "draft_model", placeholder slots the runner's draft model fills; `_schedule_drafts`)
-from the budget and the free blocks the plan left: drafts never take room from real work, and a
-request they do not fit decodes plainly. Its block table grows over the lookahead slots;
-`update_from_output` advances num_computed_tokens only over the verified tokens, so the slots of
-rejected drafts are written again next step, and a block enters the prefix cache only once every token
-in it is verified.
+`schedule()` returns the step's one `SchedulerOutput` (running requests first, preempting when blocks run out,
+then swapped-in, then waiting requests admitted after a prefix-cache lookup, then speculative drafts from what
+the plan left); `update_from_output` applies the runner's output. What it guarantees: the budget
+(`max_num_batched_tokens`) and `max_num_seqs` are never exceeded, at most `max_loras` distinct adapters run,
+drafts never take room from real work, `num_computed_tokens` advances only over verified tokens, and a block
+enters the prefix cache only once its KV is written and verified. The step: docs/architecture.md; drafts:
+docs/speculative_decoding.md; the waiting queue's order: core/request_queue.py.
 """
 from __future__ import annotations
 

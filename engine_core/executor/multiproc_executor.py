@@ -1,32 +1,14 @@
-"""`MultiprocExecutor`: tensor_parallel_size x pipeline_parallel_size worker processes on this machine
-(torch.multiprocessing spawn; gloo on CPU, NCCL on CUDA; the group meets on a free port of 127.0.0.1).
+"""`MultiprocExecutor`: tensor_parallel_size x pipeline_parallel_size worker processes (torch.multiprocessing
+spawn; gloo on CPU, NCCL on CUDA), vLLM v1's design; `WorkerMonitor` watches them between calls.
 
-The engine keeps the one scheduler. Each step its `SchedulerOutput` is pickled once and the same bytes
-go down every worker's pipe, so every rank applies the same block ids, preemptions and finished
-requests; every rank runs its shard of the forward (TP all-reduces inside a stage, hidden states
-sent stage to stage), and the last stage's TP rank 0 samples: its `ModelRunnerOutput` is the step's.
-The engine waits for every rank's reply (the others reply None), so a rank that fails is noticed in
-the step it fails.
-
-With pipeline_parallel_size = p > 1 (`max_concurrent_batches` = p) the engine may keep up to p steps in
-flight (vLLM v1's batch queue): `execute_model(so, non_block=True)` sends the step and returns a
-`PendingCall` at once; stage 0 starts the next step while stage 1 still runs this one. Each pipe is
-FIFO, so the replies of the calls in flight are read in the order the calls were sent: a call's
-`result()` first reads the replies of every older call, and a blocking call (`_call`) reads them all.
-
-Failure: a worker that raises (its traceback comes back), dies (its process sentinel fires) or does
-not reply within `step_timeout_s` stops every worker and raises `EngineDeadError` naming the rank;
-every later call raises it again. A local worker that dies between calls is seen at once by a monitor
-thread, which calls the `register_failure_callback` callbacks (vLLM's `monitor_workers`). `shutdown()`,
-garbage collection of the executor and interpreter exit (a `weakref.finalize`) stop the workers: a "shutdown" message, then terminate, then kill.
-Ctrl-C reaches only the engine (workers ignore it); a second Ctrl-C inside a step (the first is held
-until the step ends) leaves the ranks' replies unread, so the executor stops them too.
-
-Several machines (`nnodes` > 1; docs/parallelism.md has the commands): the group meets by
-`env://` (MASTER_ADDR, MASTER_PORT), this engine spawns node 0's ranks, and each other node's ranks
-(started by `python -m engine_core.executor.launch`) connect to the engine on MASTER_PORT + 1,
-authenticated by ENGINE_CORE_AUTHKEY (multiprocessing's HMAC handshake); a TCP connection then
-stands in for the pipe (a closed connection is a dead worker: no process sentinel across machines).
+What it guarantees: every rank gets the same pickled `SchedulerOutput` each step and the output rank's reply is
+the step's; with `non_block=True` up to pipeline_parallel_size calls are in flight, their replies read in the
+order they were sent (`PendingCall`). A worker that raises, dies or does not reply within `step_timeout_s`
+stops every worker and raises `EngineDeadError` naming the rank, and every later call raises it again; a worker
+that dies between calls is reported at once to the `register_failure_callback` callbacks. `shutdown()`, garbage
+collection and interpreter exit leave no worker behind. Several machines (`nnodes` > 1): workers started by
+`python -m engine_core.executor.launch` connect on MASTER_PORT + 1, authenticated by ENGINE_CORE_AUTHKEY.
+The commands and the design in full: docs/parallelism.md.
 """
 from __future__ import annotations
 

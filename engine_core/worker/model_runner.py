@@ -1,29 +1,13 @@
-"""The model runner: owns the model, the KV cache tensors, the sampler and the CUDA graphs, and
-turns each SchedulerOutput into one flat varlen forward.
+"""The model runner: owns the model, the KV cache tensors, the sampler and the CUDA graphs, and turns each
+SchedulerOutput into one flat varlen forward.
 
-Built in vLLM's order: load the weights (`__init__`), size the KV cache from the memory budget
-(`determine_kv_cache_config`: explicit `num_gpu_blocks`; on CUDA the device memory times
-`gpu_memory_utilization` minus the peak of a profiling forward of `max_num_batched_tokens`
-tokens; on CPU `kv_cache_memory_bytes`, default 1 GiB, or `cpu_memory_bytes` minus the weights as their
-scheme stores them and the estimated activation peak), then allocate it and capture CUDA graphs
-(`initialize_kv_cache`).
-
-Per step (`execute_model(scheduler_output)`, the step's one message): forget the requests it names
-(finished, aborted, preempted), run the scheduled KV block copies (swap_out first, then swap_in),
-apply the new block ids to the persistent block tables (`InputBatch`), build the batch tensors
-(input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc) with vectorised
-index arithmetic, choose flash-decoding's split count for the decode-op calls
-(`kernels.split_policy`, from the batch, the longest context and the GPU's SM count; 1 on CPU),
-run the model, and compute logits only for the rows whose chunk reaches the end of its request
-(with draft tokens: every row of a speculating request, which the `RejectionSampler` verifies). Decode-only batches on CUDA replay CUDA graphs (batches without LoRA
-adapters; with `enable_lora` the LoRAManager gives the step's adapters slots and the rows a
-slot mapping, `attn_metadata.lora`).
-
-In a worker of a parallel engine (`parallel`, engine_core/executor) the runner holds one shard: the
-model's heads and layers of its rank, a KV cache of those only (sized by the shard's bytes per block),
-and it samples only where the model returns logits (the last stage's TP rank 0). A forward that
-raises there is not retried request by request (the ranks would no longer meet in the same
-collectives): the error ends the step, and the engine stops every worker.
+Built in vLLM's order: weights (`__init__`), the KV cache size from the memory budget
+(`determine_kv_cache_config`), then the cache and CUDA graphs (`initialize_kv_cache`). Per step
+(`execute_model`, the step's one message) it forgets the requests the message names, copies swapped blocks,
+applies new block ids (`InputBatch`), builds the batch tensors, runs the model and samples only the rows that
+emit (every row of a speculating request). In a worker of a parallel engine it holds one rank's shard and
+samples only where the model returns logits; a forward that raises there ends the step (no per-request
+retry: the ranks must meet in the same collectives). The step in full: docs/architecture.md.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 For the small row counts of decode steps (8 to 128 rows), MKL's sgemm behind `F.linear` reaches
 a fraction of the machine's fp32 rate; oneDNN's inner product on a weight reordered once into its
-blocked layout (what IPEX and vLLM's CPU backend do) was 1.5-2.4x faster at those sizes on the
-benchmark machine and as fast at 2048 rows (docs/benchmarks.md). The packed copy is made on first
+blocked layout (what IPEX and vLLM's CPU backend do) is faster at those sizes and as fast at 2048 rows
+(docs/benchmarks.md, "Tried, did not pay"). The packed copy is made on first
 use and again whenever the weight changes in place (`Tensor._version`: a merged LoRA adapter), so it
 is never stale. It costs one more copy of the weights in memory. The residual add rides on the same
 call (oneDNN's binary post-op: one pass over the output instead of two).
@@ -12,13 +12,13 @@ bf16 (where oneDNN has bf16 kernels: AVX512-BF16, AMX) takes the same packed pat
 activations, fp32 accumulation, the output rounded to bf16 once, as `F.linear` does. Its residual is
 added after the GEMM in bf16 (two roundings, Hugging Face's order), not fused into it: a fused add
 rounds once and would move the engine's bf16 logits off Hugging Face's. At batch-1 decode the packed
-bf16 weights read half the bytes of fp32 ones, and oneDNN's bf16 inner product was 1.3-1.7x faster than
-`F.linear` in bf16 on the benchmark machine (docs/benchmarks.md).
+bf16 weights read half the bytes of fp32 ones, and oneDNN's bf16 inner product beats `F.linear` in bf16
+(docs/benchmarks.md).
 
 At one to a few rows (a small-batch decode step) a linear is a read of its weight, and oneDNN's inner product
-streamed it at half the memory's rate and cost 16-21 us a call: up to `SKINNY_MAX_ROWS` rows go to
-`kernels.cpu.skinny_gemm` on the unpacked weight instead (no packed copy is made for a layer only such steps
-use), with the same rounding and residual order as the packed path of the same dtype.
+streamed it at half the memory's rate, plus a fixed cost per call (docs/benchmarks.md): up to `SKINNY_MAX_ROWS`
+rows go to `kernels.cpu.skinny_gemm` on the unpacked weight instead (no packed copy is made for a layer only such
+steps use), with the same rounding and residual order as the packed path of the same dtype.
 """
 from __future__ import annotations
 
