@@ -181,7 +181,8 @@ def detect(portable: bool = False, openmp: bool = True, run: Run = _run,
 
 def detected(portable: bool = False, openmp: bool = True) -> Toolchain:
     """`detect`'s answer, cached beside the libraries per compiler version, machine and option (the probes
-    compile three small files; a process that loads the kernels pays for none of that again)."""
+    compile three small files; a process that loads the kernels pays for none of that again). A toolchain
+    that wanted OpenMP and found none is not cached: the next process looks again (libomp installed since)."""
     cc = find_compiler()
     key = hashlib.sha256(repr((cc, shutil.which(cc), _run([cc, "--version"]).stdout, _uname(), portable, openmp,
                                os.environ.get("HOMEBREW_PREFIX"))).encode()).hexdigest()[:16]
@@ -193,6 +194,8 @@ def detected(portable: bool = False, openmp: bool = True) -> Toolchain:
     except (OSError, ValueError, TypeError, KeyError):
         pass
     tc = detect(portable=portable, openmp=openmp)
+    if openmp and tc.openmp_flags is None:
+        return tc
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
     with os.fdopen(fd, "w") as f:

@@ -4,6 +4,7 @@ and compile answers; the notices `load()` gives; and the portable path cross-com
 Debian's cross compiler, warnings as errors."""
 from __future__ import annotations
 
+import importlib
 import shutil
 import subprocess
 import warnings
@@ -153,3 +154,16 @@ def test_the_portable_path_cross_compiles_for_aarch64_without_a_warning(monkeypa
     assert result.returncode == 0 and result.stderr == "", result.stderr
     header = out.read_bytes()[:20]
     assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183
+
+
+@pytest.mark.parametrize("openmp_flags", [("-fopenmp",), None], ids=["openmp", "none"])
+def test_a_toolchain_is_cached_unless_it_lacks_the_openmp_it_wanted(monkeypatch, tmp_path, openmp_flags) -> None:
+    """Detection runs once per compiler and machine; a toolchain without OpenMP is looked for again in the next
+    process, so `brew install libomp` takes effect without clearing a cache."""
+    build_module = importlib.import_module("kernels.cpu.build")  # `kernels.cpu.build` is also the function
+    found = Toolchain("cc", "gcc", "Linux", "x86_64", "gcc 12", ("-march=native",), openmp_flags)
+    calls = []
+    monkeypatch.setenv("INFERENCE_LABS_CACHE", str(tmp_path))
+    monkeypatch.setattr(build_module, "detect", lambda **kw: calls.append(kw) or found)
+    assert build_module.detected() == found and build_module.detected() == found
+    assert len(calls) == (1 if openmp_flags else 2)
