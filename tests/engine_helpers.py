@@ -1,9 +1,11 @@
-"""Engine test kit: the whole engine's invariants between steps, running to the end, and an
-interrupt injector that raises KeyboardInterrupt at the n-th line the engine executes."""
+"""Engine test kit: the whole engine's invariants between steps, running to the end, an
+interrupt injector that raises KeyboardInterrupt at the n-th line the engine executes, and a
+forward pass held until the test lets it go."""
 from __future__ import annotations
 
 import random
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -119,6 +121,35 @@ def interrupt_at(n: int | None, functions: set[str] | None = None,
         yield seen
     finally:
         sys.settrace(previous)
+
+
+@contextmanager
+def hold_forward(engine: LLMEngine, number: int,
+                 timeout: float = 60.0) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """The engine's forward pass `number` (1-based, counted from here) sets `held`, then waits for `release`
+    (set on leaving the block at the latest). What a test does while it waits happens mid-generate however slowly
+    the machine runs either thread: tiny-llama writes 1000 tokens a second, a race no "long" request wins."""
+    runner = engine.runner
+    own = "execute_model" in vars(runner)
+    execute = runner.execute_model
+    held, release, calls = threading.Event(), threading.Event(), [0]
+
+    def gated(scheduler_output):
+        calls[0] += 1
+        if calls[0] == number:
+            held.set()
+            release.wait(timeout)
+        return execute(scheduler_output)
+
+    runner.execute_model = gated
+    try:
+        yield held, release
+    finally:
+        release.set()
+        if own:
+            runner.execute_model = execute
+        else:
+            del runner.execute_model
 
 
 # The end-to-end workload of the preemption suites (tests/core/test_preemption.py, tests/engine/test_fp8_engine.py):

@@ -6,16 +6,15 @@
 The engine is single-threaded and says so (engine_core.guard): a step from a second thread, or from
 inside a step, is refused before it changes anything; abort_request may come from any thread.
 What proves the early end is the engine's own record (the finish reason, the error, the steps and tokens
-counted), never the wall clock: a loaded machine may stall any thread for seconds, so threads are joined
-with a generous timeout that only a hang exceeds.
+counted), never the wall clock: a loaded machine may stall any thread for seconds, so a forward pass is held
+while the test acts "mid-generate", and threads are joined with a generous timeout that only a hang exceeds.
 """
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
-from engine_helpers import one_torch_thread, pool_is_whole
+from engine_helpers import hold_forward, one_torch_thread, pool_is_whole
 
 from engine_core import LLM, EngineBusyError, SamplingParams
 from engine_core.request import RequestStatus
@@ -44,13 +43,6 @@ def _in_thread(fn) -> tuple[threading.Thread, dict]:
     return thread, result
 
 
-def _wait_until(condition, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.005)
-
-
 def _expected(prompts) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in _llm().generate(prompts, SamplingParams(max_tokens=4, **GREEDY),
                                                                use_tqdm=False)]
@@ -58,10 +50,11 @@ def _expected(prompts) -> list[list[int]]:
 
 def test_generate_returns_when_another_thread_aborts_its_request():
     llm = _llm()
-    thread, result = _in_thread(lambda: llm.generate([[5, 6], [7, 8]], [LONG, SamplingParams(max_tokens=3, **GREEDY)],
-                                                     use_tqdm=False))
-    _wait_until(lambda: llm.engine.stats()["num_generated_tokens"] >= 8)
-    llm.engine.abort_request("gen-0")  # the engine is mid-generate in the other thread: queued, then applied
+    with hold_forward(llm.engine, 8) as (held, _):
+        thread, result = _in_thread(lambda: llm.generate([[5, 6], [7, 8]], [LONG, SamplingParams(max_tokens=3, **GREEDY)],
+                                                         use_tqdm=False))
+        assert held.wait(JOIN_S), "generate() never reached its 8th forward pass"
+        llm.engine.abort_request("gen-0")  # the engine is mid-generate in the other thread: queued, then applied
     thread.join(timeout=JOIN_S)
     assert not thread.is_alive(), f"generate() did not return within {JOIN_S} s of the abort"
     long, short = result["value"]  # "abort" and < 1500 tokens: it ended because of the abort, not at length
@@ -72,19 +65,20 @@ def test_generate_returns_when_another_thread_aborts_its_request():
 
 def test_a_second_thread_calling_generate_gets_a_clear_error():
     llm = _llm()
-    first, result = _in_thread(lambda: llm.generate([[5, 6]], SamplingParams(max_tokens=200, **GREEDY),
-                                                    use_tqdm=False))
-    _wait_until(lambda: llm.engine.stats()["num_generated_tokens"] >= 2)
-    second, second_result = _in_thread(lambda: llm.generate([[7]], use_tqdm=False))
-    second.join(timeout=JOIN_S)
-    assert not second.is_alive()
-    error = second_result["error"]  # refused while the first is in generate(), not queued behind it
-    assert isinstance(error, EngineBusyError)
-    assert "LLM.generate() called from thread" in str(error) and "is in LLM.generate(): the engine is single-threaded" \
-        in str(error)
-    with pytest.raises(EngineBusyError, match=r"step\(\) called from thread .* while thread .* is in LLM\.generate"):
-        llm.engine.step()  # nor can this thread step the engine under the other's feet
-    first.join(timeout=30)
+    with hold_forward(llm.engine, 2) as (held, _):
+        first, result = _in_thread(lambda: llm.generate([[5, 6]], SamplingParams(max_tokens=200, **GREEDY),
+                                                        use_tqdm=False))
+        assert held.wait(JOIN_S), "generate() never reached its 2nd forward pass"
+        second, second_result = _in_thread(lambda: llm.generate([[7]], use_tqdm=False))
+        second.join(timeout=JOIN_S)
+        assert not second.is_alive()
+        error = second_result["error"]  # refused while the first is in generate(), not queued behind it
+        assert isinstance(error, EngineBusyError)
+        assert "LLM.generate() called from thread" in str(error) \
+            and "is in LLM.generate(): the engine is single-threaded" in str(error)
+        with pytest.raises(EngineBusyError, match=r"step\(\) called from thread .* while thread .* is in LLM\.generate"):
+            llm.engine.step()  # nor can this thread step the engine under the other's feet
+    first.join(timeout=JOIN_S)
     assert len(result["value"][0].outputs[0].token_ids) == 200
     assert not llm.engine.has_unfinished_requests() and pool_is_whole(llm.engine)
 

@@ -12,9 +12,9 @@ import threading
 import time
 
 import pytest
-from engine_helpers import one_torch_thread
+from engine_helpers import hold_forward, one_torch_thread
 
-from engine_core import LLM, SamplingParams
+from engine_core import LLM, LLMEngine, SamplingParams
 from engine_core.entrypoints.async_llm import AsyncLLM, EngineStepError, QueueFullError
 from engine_core.exceptions import EngineDeadError
 
@@ -146,10 +146,13 @@ def test_abort_from_another_thread_and_a_cancelled_task_free_their_blocks(llm):
     long = SamplingParams(max_tokens=1000, **GREEDY)
 
     async def main():
-        gen = llm.generate(list(range(3, 40)), long, "aborted")
-        await gen.__anext__()
-        assert llm.stats()["kv_cache_usage"] > 0
-        threading.Thread(target=llm.abort, args=["aborted"]).start()
+        with hold_forward(llm.engine, 3) as (held, _):  # the loop waits in a step while another thread aborts
+            gen = llm.generate(list(range(3, 40)), long, "aborted")
+            await gen.__anext__()
+            assert await asyncio.to_thread(held.wait, 60), "the request never reached its 3rd forward pass"
+            aborter = threading.Thread(target=llm.abort, args=["aborted"])
+            aborter.start()
+            aborter.join(30)
         rest = [out async for out in gen]
         assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
         assert len(rest[-1].outputs[0].token_ids) < 1000
@@ -172,15 +175,20 @@ def test_a_full_waiting_queue_refuses_with_queue_full_error_and_queues_nothing()
     long = SamplingParams(max_tokens=1000, **GREEDY)
 
     async def main():
-        running = llm.generate([5, 6, 7], long, "a")
-        await running.__anext__()  # "a" holds the only seat; the next two wait
-        waiting = [llm.generate([5, 6, 8 + i], long, f"w{i}") for i in range(2)]
-        tasks = [asyncio.create_task(w.__anext__()) for w in waiting]
-        while llm.stats()["num_requests_waiting"] < 2:
-            await asyncio.sleep(0.01)
+        # the loop waits in "a"'s second step until the two adds, the refused one and a stats call are all in its
+        # inbox: it takes them in that order before "a" can take another step (let alone finish its 1000 tokens)
+        with hold_forward(llm.engine, 2) as (held, _):
+            running = llm.generate([5, 6, 7], long, "a")
+            await running.__anext__()  # "a" holds the only seat; the next two wait
+            assert await asyncio.to_thread(held.wait, 60), "the request never reached its 2nd forward pass"
+            waiting = [llm.generate([5, 6, 8 + i], long, f"w{i}") for i in range(2)]
+            tasks = [asyncio.create_task(w.__anext__()) for w in waiting]
+            refused = asyncio.create_task(llm.generate([5, 6, 9], long, "refused").__anext__())
+            await asyncio.sleep(0)  # the three tasks run in order up to their first wait: each add is queued
+            counted = asyncio.wrap_future(llm.run_in_engine(LLMEngine.stats))
         with pytest.raises(QueueFullError, match="max_waiting_requests=2"):
-            await llm.generate([5, 6, 9], long, "refused").__anext__()
-        assert llm.stats()["num_requests_waiting"] == 2
+            await refused
+        assert (await counted)["num_requests_waiting"] == 2
         llm.abort(["a", "w0", "w1", "refused"])
         async for _ in running:
             pass
@@ -261,21 +269,23 @@ def test_shutdown_with_requests_in_flight_finishes_or_aborts_them_and_joins(expe
     box: dict = {}
 
     async def main():
-        gen = llm.generate(PROMPTS[2], params, "inflight")
-        await gen.__anext__()
-        stopper = threading.Thread(target=lambda: box.setdefault("joined", llm.shutdown(timeout=10.0, abort=abort)))
-        stopper.start()
+        with hold_forward(llm.engine, 2) as (held, _):  # the request is in flight when shutdown begins
+            gen = llm.generate(PROMPTS[2], params, "inflight")
+            await gen.__anext__()
+            assert await asyncio.to_thread(held.wait, 60), "the request never reached its 2nd forward pass"
+            stopper = threading.Thread(target=lambda: box.setdefault("joined", llm.shutdown(timeout=10.0,
+                                                                                            abort=abort)))
+            stopper.start()
+            while llm.is_running:  # shutdown has begun in the other thread
+                await asyncio.sleep(0.001)
         rest = [out async for out in gen]
-        while llm.is_running:  # shutdown has begun in the other thread
-            await asyncio.sleep(0.001)
         with pytest.raises(EngineDeadError):
             await llm.generate(PROMPTS[0], params, "late").__anext__()
         stopper.join(20)
         return rest
 
-    start = time.monotonic()
     rest = asyncio.run(main())
-    assert box["joined"] is True and time.monotonic() - start < 20
+    assert box["joined"] is True  # the loop ended within shutdown's own bound (timeout + 5 s), however slow the machine
     final = rest[-1].outputs[0]
     if abort:
         assert final.finish_reason == "abort" and len(final.token_ids) < 1000
