@@ -416,7 +416,8 @@ def stress(student, seed_value: int, clients: int, per_client: int, abort_share:
                 if plan < abort_share / 2:
                     aborted = b.abort(rid)
                 elif plan < abort_share:
-                    aborter = threading.Thread(target=abort_later, args=(rid,), name=f"grader: abort {rid}", daemon=True)
+                    aborter = threading.Thread(target=abort_later, args=(rid,), name=f"grader: abort {rid}",
+                                               daemon=True)
                     with lock:
                         aborters.append(aborter)
                     aborter.start()
@@ -653,7 +654,8 @@ def hidden_trace(seed_value: int) -> list[tuple]:
 
 def simulate_ttft(make, trace) -> dict[str, int]:
     """Replays `trace` on a fake clock: each step prefills what the batcher admits (budget 64 tokens, 8 requests,
-    max_skips 4) and lasts 2 ms + 150 us per token. Returns, per class, the requests whose first token came within their SLO (goodput)."""
+    max_skips 4) and lasts 2 ms + 150 us per token. Returns, per class, the requests whose first token came
+    within their SLO (goodput)."""
     pb = make(SLO_S, 64, 8, 4)
     now, pending, info, met = 0.0, list(trace), {}, {cls: 0 for cls in SLO_S}
     waiting = 0
@@ -851,7 +853,8 @@ def test_broadcasting_and_matmul_match_torch(student):
         a_vals = [rng.randint(-9, 9) for _ in range(math.prod(a_shape))]
         b_vals = [rng.randint(-9, 9) for _ in range(math.prod(b_shape))]
         a, b = student.StridedTensor(a_vals, a_shape), student.StridedTensor(b_vals, b_shape)
-        ta, tb = torch.tensor(a_vals, dtype=torch.float64).view(a_shape), torch.tensor(b_vals, dtype=torch.float64).view(b_shape)
+        ta = torch.tensor(a_vals, dtype=torch.float64).view(a_shape)
+        tb = torch.tensor(b_vals, dtype=torch.float64).view(b_shape)
         got += [(a + b).tolist(), (a * b).tolist(), (a * 3).tolist()]
         want += [(ta + tb).tolist(), (ta * tb).tolist(), (ta * 3).tolist()]
     m = student.StridedTensor([float(v) for v in range(12)], (3, 4))
