@@ -33,6 +33,10 @@ class TritonMissing(ModuleNotFoundError):
     def __init__(self, what: str = "this Triton kernel") -> None:
         super().__init__(f"{what} cannot run: {REASON}. {ROUTES}", name="triton")
 
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows this one line in a notebook instead of a traceback into the stand-in."""
+        return [f"TritonMissing: {self}"]
+
 
 class MissingKernel:
     """What `@triton.jit` gives without triton: the function, kept for reading, that raises when launched."""
