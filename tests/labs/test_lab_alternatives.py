@@ -35,8 +35,12 @@ class Alternative:
         return REPO_ROOT / "solutions" / self.lab / f"{self.lab}.ipynb"
 
     def edits(self) -> list[tuple[str, str]]:
-        """The first BEGIN..END SOLUTION region after `def <function>(` in the graded cells, and its replacement."""
-        (source,) = [s for s in graded_cells(self.solution()).values() if f"def {self.function}(" in s]
+        """The first BEGIN..END SOLUTION region after `def <function>(` in the graded cells, and its replacement;
+        for a cell that is one region (lab 17's blank page, `function` a class in it), the whole region."""
+        (source,) = [s for s in graded_cells(self.solution()).values()
+                     if f"def {self.function}(" in s or f"class {self.function}:" in s]
+        if source.startswith(BEGIN):
+            return [(source[:source.index(END)], BEGIN + self.body)]
         start = source.index(BEGIN, source.index(f"def {self.function}("))
         region = source[start:source.index(END, start)]  # up to the END marker's indentation
         return [(region, BEGIN + indent(self.body, "    ") + "    ")]
@@ -346,6 +350,118 @@ REMOVE = """\
 gone = {id(r) for r in finished}
 self.running[:] = [r for r in self.running if id(r) not in gone]
 """
+# lab 17: a queue.Queue per stream, one condition for everything (notify_all), the newest request first in the batch
+BATCHER = """\
+import queue
+
+_END = object()
+
+
+class TokenStream:  # tokens through a queue.Queue; a sentinel ends the iteration
+
+    def __init__(self) -> None:
+        self.finish_reason = None
+        self._q = queue.Queue()
+
+    def _end(self, reason):
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self._q.put(_END)
+
+    def __iter__(self):
+        while True:
+            item = self._q.get()
+            if item is _END:
+                return
+            yield item
+
+
+class ContinuousBatcher:
+
+    def __init__(self, step_fn, max_batch_size, token_budget, max_waiting):
+        if min(max_batch_size, token_budget, max_waiting) < 1 or token_budget < max_batch_size:
+            raise ValueError("max_batch_size, token_budget, max_waiting must be >= 1, budget >= batch size")
+        self.step_fn, self.max_batch_size, self.token_budget, self.max_waiting = (
+            step_fn, max_batch_size, token_budget, max_waiting)
+        self.cv = threading.Condition()
+        self.queue, self.batch, self.state = [], [], {}  # state: id -> [prompt, out, max_tokens, stream]
+        self.closed = False
+        self.worker = threading.Thread(target=self.run, daemon=True)
+        self.worker.start()
+
+    def submit(self, request_id, prompt_tokens, max_tokens, timeout=None):
+        if len(prompt_tokens) == 0 or len(prompt_tokens) > self.token_budget or max_tokens < 1:
+            raise ValueError("bad prompt_tokens or max_tokens")
+        with self.cv:
+            if self.closed:
+                raise RuntimeError("closed")
+            if request_id in self.state:
+                raise ValueError("request_id in use")
+            ok = self.cv.wait_for(lambda: self.closed or len(self.queue) < self.max_waiting, timeout=timeout)
+            if self.closed:
+                raise RuntimeError("closed")
+            if not ok:
+                raise QueueFull("full")
+            stream = TokenStream()
+            self.state[request_id] = [list(prompt_tokens), [], max_tokens, stream]
+            self.queue.append(request_id)
+            self.cv.notify_all()
+            return stream
+
+    def abort(self, request_id):
+        with self.cv:
+            if request_id not in self.state:
+                return False
+            stream = self.state.pop(request_id)[3]
+            if request_id in self.queue:
+                self.queue.remove(request_id)
+            if request_id in self.batch:
+                self.batch.remove(request_id)
+            stream._end("abort")
+            self.cv.notify_all()
+            return True
+
+    def close(self, drain=True):
+        with self.cv:
+            self.closed = True
+            if not drain:
+                for rid in list(self.state):
+                    self.state.pop(rid)[3]._end("cancelled")
+                self.queue.clear()
+                self.batch.clear()
+            self.cv.notify_all()
+        if threading.current_thread() is not self.worker:
+            self.worker.join()
+
+    def run(self):
+        while True:
+            with self.cv:
+                self.cv.wait_for(lambda: self.queue or self.batch or self.closed)
+                if not (self.queue or self.batch):
+                    return
+                left = self.token_budget - len(self.batch)
+                while self.queue and len(self.batch) < self.max_batch_size:
+                    n = len(self.state[self.queue[0]][0])
+                    if n > left:
+                        break
+                    left -= n
+                    self.batch.insert(0, self.queue.pop(0))
+                self.cv.notify_all()
+                ids = list(self.batch)
+                inputs = [(rid, self.state[rid][0] + self.state[rid][1]) for rid in ids]
+                entries = [self.state[rid] for rid in ids]
+            tokens = self.step_fn(inputs)
+            with self.cv:
+                for rid, entry, token in zip(ids, entries, tokens):
+                    if self.state.get(rid) is not entry:
+                        continue
+                    entry[1].append(token)
+                    entry[3]._q.put(token)
+                    if len(entry[1]) == entry[2]:
+                        del self.state[rid]
+                        self.batch.remove(rid)
+                        entry[3]._end("length")
+"""
 
 ALTERNATIVES = [
     Alternative("03_preemption", "choose_preemption_mode", "room_by_hand", CHOOSE_MODE,
@@ -409,6 +525,13 @@ ALTERNATIVES = [
                 ("test_block_tables_ragged_rows", "test_block_tables_not_rebuilt_from_python_lists")),
     Alternative("14_find_the_bottleneck", "remove_finished", "by_identity_in_place", REMOVE,
                 ("test_remove_finished_keeps_the_order", "test_remove_finished_is_linear")),
+    Alternative("17_coding_round", "ContinuousBatcher", "one_condition_and_queues", BATCHER,
+                ("test_batcher_streams_each_requests_tokens", "test_batcher_rejects_bad_input",
+                 "test_batches_follow_continuous_batching", "test_no_lock_is_held_across_the_model_step",
+                 "test_abort_frees_the_slot_within_one_step", "test_a_full_queue_pushes_back",
+                 "test_batches_under_a_tight_token_budget", "test_close_drains_or_cancels",
+                 "test_an_idle_batcher_uses_no_cpu", "test_stress_many_threads_random_aborts",
+                 "test_stress_close_while_busy")),
 ]
 
 
