@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grader.harness import GPUS, CountLaunches, make_paged_kv, run_engine, shape_of
-from grader.observe import expect_close, expect_equal
+from grader.observe import expect_close, expect_equal, expect_prediction
 from grader.plug import plug
 
 if not torch.cuda.is_available():
@@ -38,16 +38,16 @@ SCALE = 0.3
 
 @pytest.mark.points(2)
 @pytest.mark.task("attention_hbm_bytes")
-def test_hbm_bytes_naive_and_fused(student):
+def test_predicted_hbm_bytes(student):
     """One head, d = 128, bf16. Naive: Q, K read and S written; S read and P written; P, V read and O written:
     (4 N d + 4 N^2) x 2 bytes = 138,412,032 at 4,096 tokens and 8,623,489,024 at 32,768. Fused: Q, K, V read
     and O written once: 4 N d x 2 = 4,194,304 and 33,554,432 (33x and 257x fewer). Within 0.1 %: counting S
     once or forgetting O is outside."""
     for n in (4096, 32768):
-        expect_close(student.attention_hbm_bytes(n, False), (4 * n * 128 + 4 * n * n) * 2,
+        expect_prediction(student.attention_hbm_bytes(n, False), (4 * n * 128 + 4 * n * n) * 2,
                      f"attention_hbm_bytes({n}, fused=False): HBM bytes of naive attention, one head, d 128, bf16",
                      rtol=1e-3)
-        expect_close(student.attention_hbm_bytes(n, True), 4 * n * 128 * 2,
+        expect_prediction(student.attention_hbm_bytes(n, True), 4 * n * 128 * 2,
                      f"attention_hbm_bytes({n}, fused=True): HBM bytes of fused attention, one head, d 128, bf16",
                      rtol=1e-3)
 
@@ -63,11 +63,11 @@ def _spec_square_tile(head_dim, dtype_bytes, stages, smem_bytes=227 * 1024):
 
 @pytest.mark.points(2)
 @pytest.mark.task("largest_square_tile")
-def test_largest_square_tile_h100(student):
+def test_predicted_largest_tile_h100(student):
     """head_dim 128, bf16, 232,448 bytes per block on an H100: one stage needs 2 x 128 x 3B = 768 B bytes, so
     B <= 302 -> 256 (196,608 bytes; 512 would need 393,216); two stages need 1,280 B, B <= 181 -> 128 (163,840;
     256 would need 327,680)."""
-    expect_equal([student.largest_square_tile(128, 2, 1), student.largest_square_tile(128, 2, 2)],
+    expect_prediction([student.largest_square_tile(128, 2, 1), student.largest_square_tile(128, 2, 2)],
                  [_spec_square_tile(128, 2, 1), _spec_square_tile(128, 2, 2)],
                  "[largest_square_tile(128, 2, stages=1), largest_square_tile(128, 2, stages=2)]: the largest "
                  "power-of-two Br = Bc whose Q, K, V tiles fit in an H100's 227 KB per block")
@@ -75,11 +75,11 @@ def test_largest_square_tile_h100(student):
 
 @pytest.mark.points(1)
 @pytest.mark.task("largest_square_tile")
-def test_largest_square_tile_other_cases(student):
+def test_predicted_largest_tile_other_cases(student):
     """head_dim 64 (512 and 256), fp32 at 128 (128 and 64), 3 stages at 128 in bf16 (1,792 B <= 232,448: 128),
     and an A100's 163 KB per block (166,912 bytes; bf16, 128, 2 stages: 128)."""
     cases = [(64, 2, 1), (64, 2, 2), (128, 4, 1), (128, 4, 2), (128, 2, 3), (128, 2, 2, 163 * 1024)]
-    expect_equal([student.largest_square_tile(*case) for case in cases],
+    expect_prediction([student.largest_square_tile(*case) for case in cases],
                  [_spec_square_tile(*case) for case in cases],
                  "largest_square_tile(head_dim, dtype_bytes, stages[, smem_bytes]) for (64, 2, 1), (64, 2, 2), "
                  "(128, 4, 1), (128, 4, 2), (128, 2, 3) and (128, 2, 2, 166912)")
@@ -87,12 +87,12 @@ def test_largest_square_tile_other_cases(student):
 
 @pytest.mark.points(1)
 @pytest.mark.task("prefill_flops_and_roofline")
-def test_causal_prefill_flops(student):
+def test_predicted_causal_prefill_flops(student):
     """n (n + 1) / 2 pairs per head, 4 d FLOPs each: 1 token, 1 head of 128: 512; 7 tokens: 28 pairs; Llama-3-8B's
     32 heads of 128 at 32,768 tokens: 2 x 128 x 32 x 32,768 x 32,769 = 8,796,361,457,664 (8.8 TFLOP per layer).
     Exact: n^2 / 2 pairs (the diagonal left out) is off by one pair per query."""
     cases = [(1, 128, 1), (7, 16, 2), (4096, 128, 1), (32768, 128, 32)]
-    expect_equal([student.causal_prefill_flops(*case) for case in cases],
+    expect_prediction([student.causal_prefill_flops(*case) for case in cases],
                  [2 * d * h * n * (n + 1) for n, d, h in cases],
                  "causal_prefill_flops(n, head_dim, num_heads) for (1, 128, 1), (7, 16, 2), (4096, 128, 1), "
                  "(32768, 128, 32)")
@@ -112,7 +112,7 @@ def _spec_roofline(n, gpu_name, fused):
 
 @pytest.mark.points(3)
 @pytest.mark.task("prefill_flops_and_roofline")
-def test_roofline_a100_h100(student):
+def test_predicted_roofline(student):
     """Non-causal, one head, d 128, bf16: 4 N^2 d FLOPs. Naive: 62.1 FLOPs/byte at 4K and 63.8 at 32K, below both
     ridge points: memory-bound, 67.9 us (A100) and 41.3 us (H100) at 4K, 4.23 ms and 2.57 ms at 32K. Fused: N / 2
     = 2,048 and 16,384 FLOPs/byte: compute-bound, 27.5 us / 8.69 us at 4K, 1.76 ms / 556 us at 32K. Within 0.1 %."""
@@ -120,10 +120,10 @@ def test_roofline_a100_h100(student):
         for n in (4096, 32768):
             for fused in (False, True):
                 got = student.attention_roofline(n, GPUS[gpu_name], fused)
-                expect_close(list(got[:2]), _spec_roofline(n, gpu_name, fused)[:2],
+                expect_prediction(list(got[:2]), _spec_roofline(n, gpu_name, fused)[:2],
                              f"attention_roofline({n}, GPUS[{gpu_name!r}], fused={fused})[:2]: (FLOPs per HBM byte, "
                              f"time bound in seconds)", rtol=1e-3)
-                expect_equal(got[2], _spec_roofline(n, gpu_name, fused)[2],
+                expect_prediction(got[2], _spec_roofline(n, gpu_name, fused)[2],
                              f"attention_roofline({n}, GPUS[{gpu_name!r}], fused={fused})[2]: what bounds it")
 
 
@@ -541,6 +541,6 @@ def test_flash_attention_answers(student):
     Hadamard transform of Q and K (b); decode uses flash-decoding (b)."""
     got = student.flash_attention_answers()
     keys = ["fa1_loop_order", "fa2_non_matmul", "fa2_parallelism", "fa2_warps", "fa3_hopper", "fa3_incoherent", "decode"]
-    expect_equal(sorted(got), sorted(keys), "flash_attention_answers(): the questions answered")
-    expect_equal([got.get(key) for key in keys], ["b", "c", "a", "b", "a", "b", "b"],
+    expect_prediction(sorted(got), sorted(keys), "flash_attention_answers(): the questions answered")
+    expect_prediction([got.get(key) for key in keys], ["b", "c", "a", "b", "a", "b", "b"],
                  "flash_attention_answers() for " + ", ".join(keys))
