@@ -3,7 +3,7 @@
 `ContinuousBatcher` (with its `TokenStream`) runs a fake model on its own step thread while request threads
 submit, stream and abort; `PriorityBatcher` admits requests by SLO deadline with length-aware packing and a
 starvation bound; `StridedTensor` is shape, strides and offset over a flat list, graded against torch. Plus
-design questions (predictions whose failures never show the answer).
+design questions (`expect_prediction`: a failure says which way it is off, never the answer).
 
 No engine seam: nothing of the engine is replaced, so no test plugs. Every wait on the learner's threads is
 bounded (grader/concurrency.py): a deadlock or a lost wake-up fails within `WAIT_S` with every thread's
@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from grader.concurrency import (Deadlock, StepGate, run_bounded, started_threads, thread_cpu_seconds, thread_stacks,
                                 wait_for, watch_threads)
 from grader.harness import lab_settings
-from grader.observe import expect_close, expect_equal, expect_raises
+from grader.observe import expect_close, expect_equal, expect_prediction, expect_raises
 
 LAB = "17_coding_round"
 WAIT_S = 5.0  # a bounded wait: a healthy batcher answers in milliseconds; well under the 20 s limit of bug runs
@@ -85,22 +85,6 @@ def quietly(fn, *args):
 def read(stream, what: str) -> list[int]:
     """Every token of a stream, bounded."""
     return run_bounded(lambda: [int(t) for t in stream], timeout=WAIT_S, what=f"reading {what}'s stream")
-
-
-class WrongAnswer(AssertionError):
-    """A prediction or design answer that is not right: the message says so and hints, never shows the answer."""
-
-
-@contextlib.contextmanager
-def answer_hidden(hint: str):
-    """Self-grading: an observation's failure inside is reported as `WrongAnswer` with its first line (what was
-    checked) and `hint`, without the expected and got values. (In batch grading nothing fails in the learner's
-    process: the observation is recorded as usual.)"""
-    __tracebackhide__ = True
-    try:
-        yield
-    except AssertionError as exc:
-        raise WrongAnswer(f"{str(exc).splitlines()[0]}: wrong (the answer stays hidden). Hint: {hint}") from None
 
 
 # ---- task 1: ContinuousBatcher ------------------------------------------------------------------
@@ -876,8 +860,9 @@ def test_predicted_steps(student):
     """Four requests with max_tokens 2, 8, 3, 8, two slots, all waiting before the first step. Continuous: a and
     b at step 1, a done after step 2, c in steps 3-5, d in 6-13 beside b (done at 8): 13 steps. Static: the
     batch [a, b] runs 8 steps, then [c, d] 8 more: 16."""
-    with answer_hidden("replay the schedule step by step: which slot frees when, and who takes it"):
-        expect_equal(student.predicted_steps(), (13, 16), "predicted_steps(): (continuous batching, static batching)")
+    expect_prediction(student.predicted_steps(), (13, 16),
+                      "predicted_steps(): (steps under continuous batching, under static batching); on a miss, replay "
+                      "the schedule step by step: which slot frees when, and who takes it")
 
 
 @pytest.mark.points(1)
@@ -885,9 +870,9 @@ def test_predicted_steps(student):
 def test_predicted_layout(student):
     """arange(24).view(2, 3, 4).permute(2, 0, 1): its strides, and whether .view(24) of it works."""
     t = torch.arange(24).view(2, 3, 4).permute(2, 0, 1)
-    with answer_hidden("a permute moves strides with their dims; view needs each new dim inside a contiguous run"):
-        expect_equal(student.predicted_layout(), (t.stride(), _viewable(t, 24)),
-                     "predicted_layout(): (strides, can it be viewed as (24,))")
+    expect_prediction(student.predicted_layout(), (t.stride(), _viewable(t, 24)),
+                      "predicted_layout(): (strides, can it be viewed as (24,)); on a miss: a permute moves each stride "
+                      "with its dim, and a view needs every new dim inside one contiguous run")
 
 
 def _viewable(t: torch.Tensor, *shape: int) -> bool:
@@ -906,6 +891,6 @@ def test_design_answers(student):
     for question, hint in [("lock_during_step", "what happens to submit() while the model runs for 30 ms?"),
                            ("why_condition", "count the wake-ups of an idle thread either way"),
                            ("wait_in_loop", "a notify that comes before the wait, and a wake-up with nothing to do")]:
-        with answer_hidden(hint):
-            expect_equal(answers.get(question), {"lock_during_step": "b", "why_condition": "c",
-                                                 "wait_in_loop": "a"}[question], f"design_answers()[{question!r}]")
+        expect_prediction(answers.get(question), {"lock_during_step": "b", "why_condition": "c",
+                                                  "wait_in_loop": "a"}[question],
+                          f"design_answers()[{question!r}], a letter; on a miss: {hint}")
