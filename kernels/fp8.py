@@ -8,6 +8,10 @@ range (largest value 57344). A cache stores `x / scale` rounded to the format an
 its largest value; a read returns `code * scale`. A scale is fp32, one per tensor (a float or a
 0-dim tensor) or one per KV head (shape `[num_kv_heads]`), for K and for V of each layer: one
 outlier head would otherwise squeeze every other head's values into the format's subnormals.
+
+GPUs convert fp8 in hardware from sm_89 (Ada, Hopper) on; a T4, an A100 or an A10G has no fp8 conversion
+instruction, so there (as in vLLM) the cache still stores fp8 codes and the kernels decode and encode them with
+integer operations (`fp8_conversion` decides, for every Triton fp8 kernel; kernels/triton/_common.py).
 """
 from __future__ import annotations
 
@@ -36,6 +40,19 @@ def fp8_max(dtype: torch.dtype) -> float:
     if not is_fp8(dtype):
         raise ValueError(f"an fp8 dtype (float8_e4m3fn or float8_e5m2) is needed, got {dtype}")
     return float(torch.finfo(dtype).max)
+
+
+def native_fp8(capability: tuple[int, int]) -> bool:
+    """Whether a GPU of this compute capability has fp8 (e4m3 / e5m2) conversion instructions: sm_89 on."""
+    return tuple(capability) >= (8, 9)
+
+
+def fp8_conversion(device: torch.device) -> str:
+    """How the Triton kernels convert fp8 on `device`: "native" (the hardware's cvt instructions) or "integer"
+    (bit operations on the codes: GPUs before Ada, and the interpreter, which rounds fp32 -> e4m3 wrongly)."""
+    if device.type == "cuda" and native_fp8(torch.cuda.get_device_capability(device)):
+        return "native"
+    return "integer"
 
 
 def cache_format(kv_cache_dtype: str, cache: torch.Tensor) -> torch.dtype | None:

@@ -6,7 +6,9 @@ Slot -1 (padding, or a token whose KV is already cached) is skipped. The op is p
 its speed is the memory system's; the only arithmetic is the fp8 write path (`kernels.fp8`):
 x / scale in fp32, correctly rounded (`div_rn`: plain `/` is an approximate division on the GPU,
 which could move a value across an fp8 rounding boundary), saturated at the format's largest
-value (448 for e4m3, 57344 for e5m2), then rounded to nearest even into the format.
+value (448 for e4m3, 57344 for e5m2), then rounded to nearest even into the format: by the hardware's
+conversion (sm_89 on) or with integer operations on the bits (`FP8_BITS`: GPUs without fp8 conversions, and
+the interpreter; kernels/triton/_common.py).
 """
 from __future__ import annotations
 
@@ -15,14 +17,19 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import cache_format, fp8_max
-from kernels.triton._common import check_device, load_scale, scale_arg
+from kernels.triton._common import check_device, f32_to_fp8_bits, fp8_storage, load_scale, scale_arg
 
 
 @triton.jit
-def quantize(x, scale, FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr):
-    """x / scale in fp32 (correctly rounded), saturated at +-FP8_MAX, rounded to nearest even into FP8_DTYPE."""
-    q = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -FP8_MAX, FP8_MAX)
-    return q.to(FP8_DTYPE, fp_downcast_rounding="rtne")
+def quantize(x, scale, FP8_MAX: tl.constexpr, FP8_BITS: tl.constexpr, FP8_DTYPE: tl.constexpr):
+    """x / scale in fp32 (correctly rounded), saturated at +-FP8_MAX, rounded to nearest even into FP8_DTYPE
+    (FP8_BITS: into the codes of e4m3fn (1) or e5m2 (2), with integer operations)."""
+    q = tl.math.div_rn(x.to(tl.float32), scale)
+    if FP8_BITS:
+        return f32_to_fp8_bits(q, FP8_BITS == 2)
+    else:
+        q = tl.clamp(q, -FP8_MAX, FP8_MAX)
+        return q.to(FP8_DTYPE, fp_downcast_rounding="rtne")
 
 
 @triton.jit
@@ -32,7 +39,7 @@ def _reshape_and_cache_kernel(
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
     NUM_KV_HEADS, HEAD_DIM,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr,
+    QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_BITS: tl.constexpr,
     K_SCALE_IS_PTR: tl.constexpr, V_SCALE_IS_PTR: tl.constexpr, K_SCALE_STRIDE: tl.constexpr,
     V_SCALE_STRIDE: tl.constexpr,
 ):
@@ -52,9 +59,9 @@ def _reshape_and_cache_kernel(
         # h is [BLOCK_H, 1]: each KV head's row divides by its own scale (or all by one); padding
         # rows (h >= NUM_KV_HEADS, never stored) read the last head's scale, not past the tensor.
         sh = tl.minimum(h, NUM_KV_HEADS - 1)
-        k = quantize(k, load_scale(k_scale, sh, K_SCALE_IS_PTR, K_SCALE_STRIDE), FP8_MAX,
+        k = quantize(k, load_scale(k_scale, sh, K_SCALE_IS_PTR, K_SCALE_STRIDE), FP8_MAX, FP8_BITS,
                      key_cache_ptr.dtype.element_ty)
-        v = quantize(v, load_scale(v_scale, sh, V_SCALE_IS_PTR, V_SCALE_STRIDE), FP8_MAX,
+        v = quantize(v, load_scale(v_scale, sh, V_SCALE_IS_PTR, V_SCALE_STRIDE), FP8_MAX, FP8_BITS,
                      value_cache_ptr.dtype.element_ty)
     kc = key_cache_ptr + block * stride_kcb + offset * stride_kct + h * stride_kch + d
     vc = value_cache_ptr + block * stride_vcb + offset * stride_vct + h * stride_vch + d
@@ -85,15 +92,17 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         return
     ks, ks_ptr, ks_stride = scale_arg(k_scale, num_kv_heads)
     vs, vs_ptr, vs_stride = scale_arg(v_scale, num_kv_heads)
+    kc, bits = fp8_storage(key_cache)
+    vc, _ = fp8_storage(value_cache)
     _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping, ks, vs,
+        key, value, kc, vc, slot_mapping, ks, vs,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         num_kv_heads, head_dim,
         BLOCK_SIZE=block_size, BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim), QUANTIZE=fmt is not None,
-        FP8_MAX=fp8_max(fmt) if fmt is not None else 0.0,
+        FP8_MAX=fp8_max(fmt) if fmt is not None else 0.0, FP8_BITS=bits,
         K_SCALE_IS_PTR=ks_ptr, V_SCALE_IS_PTR=vs_ptr, K_SCALE_STRIDE=ks_stride, V_SCALE_STRIDE=vs_stride,
         num_warps=1 if num_kv_heads * head_dim <= 256 else 4,
     )

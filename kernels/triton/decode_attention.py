@@ -42,7 +42,7 @@ def _decode_kernel(
     stride_bt, stride_os, stride_oh, stride_osplit, stride_ls, stride_lh,
     HEAD_DIM,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IS_FP8: tl.constexpr, FP8_BITS: tl.constexpr,
     K_SCALE_IS_PTR: tl.constexpr, V_SCALE_IS_PTR: tl.constexpr, K_SCALE_STRIDE: tl.constexpr,
     V_SCALE_STRIDE: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -81,9 +81,9 @@ def _decode_kernel(
         row = t % BLOCK_SIZE
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = load_kv(k_cache_ptr + block[:, None] * stride_kb + row[:, None] * stride_kt
-                    + kv_head * stride_kh + d[None, :], kv_mask, k_sc, IS_FP8, UPCAST, dtype)
+                    + kv_head * stride_kh + d[None, :], kv_mask, k_sc, IS_FP8, FP8_BITS, UPCAST, dtype)
         v = load_kv(v_cache_ptr + block[:, None] * stride_vb + row[:, None] * stride_vt
-                    + kv_head * stride_vh + d[None, :], kv_mask, v_sc, IS_FP8, UPCAST, dtype)
+                    + kv_head * stride_vh + d[None, :], kv_mask, v_sc, IS_FP8, FP8_BITS, UPCAST, dtype)
 
         s = dot(q, tl.trans(k), UPCAST) * scale_log2  # [BLOCK_G, BLOCK_N]
         s = tl.where(t_mask[None, :], s, float("-inf"))
@@ -171,7 +171,7 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
         return out
     group = num_heads // num_kv_heads
     cfg = _config(block_size, query.dtype)
-    ks, vs, fp8_flags = fp8_args(key_cache, k_scale, v_scale)
+    kc, vc, ks, vs, fp8_flags = fp8_args(key_cache, value_cache, k_scale, v_scale)
     block_d = max(16, triton.next_power_of_2(head_dim))
     if num_splits == 1:
         target, lse = out, out  # lse unused when NUM_SPLITS == 1
@@ -183,7 +183,7 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
         target_strides = (target.stride(0), target.stride(1), target.stride(2))
         lse_strides = (lse.stride(0), lse.stride(1))
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_tables, seq_lens, target, lse,
+        query, kc, vc, block_tables, seq_lens, target, lse,
         scale * LOG2E, ks, vs,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

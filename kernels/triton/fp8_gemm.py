@@ -56,13 +56,20 @@ def _fp8_gemm_kernel(a_ptr, w_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, 
              mask=m_mask[:, None] & n_mask[None, :])
 
 
+def fp8_gemm_refusal(capability: tuple[int, int], name: str = "this GPU") -> str | None:
+    """Why a GPU of this compute capability cannot run the fp8 GEMM (None: it can). fp8 tensor-core MMAs exist
+    from sm_89 (Ada, Hopper) on: an A100 (sm_80) has none (unlike the fp8 KV cache, which only converts)."""
+    if tuple(capability) < (8, 9):
+        return (f"the fp8 GEMM needs a GPU of compute capability >= 8.9 (Ada or Hopper) for fp8 tensor cores; "
+                f"{name} is {capability[0]}.{capability[1]}: use an fp16/bf16 scheme (or W8A16 / W4A16) there")
+    return None
+
+
 def check_fp8_support(device: torch.device) -> None:
-    """fp8 tensor-core MMAs exist from sm_89 (Ada, Hopper) on: an A100 (sm_80) cannot run this GEMM."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        major, minor = torch.cuda.get_device_capability(device)
-        raise RuntimeError(f"the fp8 GEMM needs a GPU of compute capability >= 8.9 (Ada or Hopper) for fp8 tensor "
-                           f"cores; {torch.cuda.get_device_name(device)} is {major}.{minor}: use an fp16/bf16 scheme "
-                           f"(or W8A16 / W4A16) there")
+    """Refuses, before any launch, a GPU without fp8 tensor cores (`fp8_gemm_refusal`)."""
+    if device.type == "cuda" and (reason := fp8_gemm_refusal(torch.cuda.get_device_capability(device),
+                                                              torch.cuda.get_device_name(device))):
+        raise RuntimeError(reason)
 
 
 def fp8_gemm(a_fp8: torch.Tensor, a_scale: torch.Tensor, w_fp8: torch.Tensor, w_scale: torch.Tensor,

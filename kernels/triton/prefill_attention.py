@@ -48,7 +48,7 @@ def _prefill_kernel(
     stride_bt, stride_ot, stride_oh,
     HEAD_DIM,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr, FP8_BITS: tl.constexpr,
     K_SCALE_IS_PTR: tl.constexpr, V_SCALE_IS_PTR: tl.constexpr, K_SCALE_STRIDE: tl.constexpr,
     V_SCALE_STRIDE: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -91,9 +91,9 @@ def _prefill_kernel(
         slot_row = t % BLOCK_SIZE
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = load_kv(k_cache_ptr + block[:, None] * stride_kb + slot_row[:, None] * stride_kt
-                    + kv_head * stride_kh + d[None, :], kv_mask, k_sc, IS_FP8, UPCAST, dtype)
+                    + kv_head * stride_kh + d[None, :], kv_mask, k_sc, IS_FP8, FP8_BITS, UPCAST, dtype)
         v = load_kv(v_cache_ptr + block[:, None] * stride_vb + slot_row[:, None] * stride_vt
-                    + kv_head * stride_vh + d[None, :], kv_mask, v_sc, IS_FP8, UPCAST, dtype)
+                    + kv_head * stride_vh + d[None, :], kv_mask, v_sc, IS_FP8, FP8_BITS, UPCAST, dtype)
 
         s = dot(q, tl.trans(k), UPCAST) * scale_log2  # [BLOCK_M, BLOCK_N]
         causal = (t[None, :] <= q_pos[:, None]) & t_mask[None, :]
@@ -153,10 +153,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     group = num_heads // num_kv_heads
     cfg = _config(group, query.dtype)
     block_q = cfg["BLOCK_M"] // group
-    ks, vs, fp8_flags = fp8_args(key_cache, k_scale, v_scale)
+    kc, vc, ks, vs, fp8_flags = fp8_args(key_cache, value_cache, k_scale, v_scale)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
+        query, kc, vc, block_tables, seq_lens, query_start_loc, out,
         scale * LOG2E, ks, vs, num_seqs,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

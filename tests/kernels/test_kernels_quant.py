@@ -25,6 +25,14 @@ BF16_CASES = [(17, 128, 64, True, False, torch.bfloat16)] if torch.cuda.is_avail
 UNIT = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}  # unit roundoff of the output
 
 
+def _skip_without_fp8_tensor_cores(device: torch.device, backend: str) -> None:
+    """The Triton fp8 GEMM is refused by design below sm_89 (T4, A100, A10G): skip there, saying why."""
+    if backend == "triton" and device.type == "cuda":
+        from kernels.triton.fp8_gemm import fp8_gemm_refusal
+        if reason := fp8_gemm_refusal(torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device)):
+            pytest.skip(reason)
+
+
 def _pack(q: torch.Tensor) -> torch.Tensor:
     """q `[N, K]` (values 0..15) -> GPTQ's int32 `[K / 8, N]`, word by word (value j at bits 4j)."""
     n, k = q.shape
@@ -99,6 +107,7 @@ def test_act_order_permutation_makes_groups_contiguous() -> None:
     (19, True, False, False, torch.float32), (19, False, True, True, torch.float32)], ids=str)
 def test_fp8_gemm_matches_the_oracle(seed: int, device: torch.device, backend: str, m: int, per_token: bool,
                                      per_channel: bool, bias: bool, out_dtype: torch.dtype) -> None:
+    _skip_without_fp8_tensor_cores(device, backend)
     gen = torch.Generator().manual_seed(seed)
     k = 150  # not a multiple of the 32-wide K tile; 5 tiles: split in two where M <= 16 (_gemm_tiles.py)
     a = (torch.randn(m, k, generator=gen) * 4).to(FP8)
@@ -124,6 +133,7 @@ def test_empty_batches(device: torch.device, backend: str) -> None:
     q, s, z = (torch.zeros(8, N, dtype=torch.int32), torch.ones(2, N, dtype=torch.float16),
                torch.zeros(2, N, dtype=torch.uint8))
     assert kernels.w4a16_gemm(x, q.to(device), s.to(device), z.to(device), 32, backend=backend).shape == (0, N)
+    _skip_without_fp8_tensor_cores(device, backend)
     a, w = torch.empty(0, 64, dtype=FP8, device=device), torch.zeros(N, 64, dtype=FP8, device=device)
     one = torch.ones(1, device=device)
     assert kernels.fp8_gemm(a, one, w, one, torch.float16, backend=backend).shape == (0, N)
