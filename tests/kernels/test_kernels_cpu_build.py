@@ -167,3 +167,12 @@ def test_a_toolchain_is_cached_unless_it_lacks_the_openmp_it_wanted(monkeypatch,
     monkeypatch.setattr(build_module, "detect", lambda **kw: calls.append(kw) or found)
     assert build_module.detected() == found and build_module.detected() == found
     assert len(calls) == (1 if openmp_flags else 2)
+
+
+def test_a_mac_links_torchs_own_libomp_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's macOS wheels carry a libomp: linking that one keeps one OpenMP runtime in the process (two abort
+    with OMP error #15); Homebrew's is the second choice."""
+    torch_lib = importlib.import_module("kernels.cpu.build")._torch_lib()
+    mac = FakeMachine(APPLE_CLANG, files=(f"{torch_lib}/libomp.dylib", f"{BREW_LIBOMP}/lib/libomp.dylib"))
+    tc = _detect(mac, ("Darwin", "arm64"), monkeypatch)
+    assert tc.openmp_flags == ("-Xpreprocessor", "-fopenmp", f"-L{torch_lib}", "-lomp", f"-Wl,-rpath,{torch_lib}")
