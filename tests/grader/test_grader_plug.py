@@ -99,3 +99,24 @@ def test_graded_cells_that_load_code_are_flagged():
 
 def test_owners_are_dotted_strings():
     assert resolve(BLOCK_POOL) is BlockPool
+
+
+def test_plugging_an_attention_plan_seam_switches_the_fused_decode_block_off():
+    """The engine's fused decode block runs in place of write_kv and attend: while a grader plugs either (a
+    learner's function, or lab 14's slow variant) it is off, so the plugged function is what runs; a plug of
+    any other seam leaves it on; leaving the block restores it."""
+    from engine_core.models.attention import AttentionPlan
+    from grader.slow_engine import slow_engine
+
+    assert AttentionPlan.fused_decode_block
+    with plug(SimpleNamespace(write_kv=lambda self, key, value, kv: None), "14_find_the_bottleneck",
+              only=["write_kv"]):
+        assert not AttentionPlan.fused_decode_block
+    assert AttentionPlan.fused_decode_block
+    with plug(student(), LAB):
+        assert AttentionPlan.fused_decode_block
+    with slow_engine():
+        assert not AttentionPlan.fused_decode_block
+    with slow_engine(keep=("write_kv", "attend")):  # only the other slowdowns: the engine's block may run
+        assert AttentionPlan.fused_decode_block
+    assert AttentionPlan.fused_decode_block
