@@ -350,6 +350,36 @@ REMOVE = """\
 gone = {id(r) for r in finished}
 self.running[:] = [r for r in self.running if id(r) not in gone]
 """
+# lab 18: one query tile of all the rows (only the key loop tiled: [H, q_len, block_n] scores, still O(N)), GQA by
+# indexing the KV heads, the causal mask from a position difference
+TILED_ALL_ROWS = """\
+q_len, num_heads, head_dim = query.shape
+seq_len, num_kv_heads, _ = key.shape
+dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+heads = torch.arange(num_heads) // (num_heads // num_kv_heads)
+q = query.to(dtype).permute(1, 0, 2)
+k = key.to(dtype)[:, heads].permute(1, 0, 2)
+v = value.to(dtype)[:, heads].permute(1, 0, 2)
+pos = torch.arange(seq_len - q_len, seq_len)
+m = torch.full((num_heads, q_len, 1), float("-inf"), dtype=dtype)
+l = torch.zeros(num_heads, q_len, 1, dtype=dtype)
+acc = torch.zeros(num_heads, q_len, head_dim, dtype=dtype)
+for start in range(0, seq_len, block_n):
+    cols = torch.arange(start, min(start + block_n, seq_len))
+    s = torch.einsum("hqd,hkd->hqk", q, k[:, start:start + block_n]) * scale
+    s = torch.where(pos[:, None] - cols[None, :] >= 0, s, torch.tensor(float("-inf"), dtype=dtype))
+    m_new = torch.maximum(m, s.max(dim=-1, keepdim=True).values)
+    p = torch.exp(s - m_new)
+    acc = acc * torch.exp(m - m_new) + torch.einsum("hqk,hkd->hqd", p, v[:, start:start + block_n])
+    l = l * torch.exp(m - m_new) + p.sum(-1, keepdim=True)
+    m = m_new
+return (acc / l).permute(1, 0, 2).to(query.dtype)
+"""
+# lab 18: the early exit as a ceiling of the key count up to the last real row
+KV_TILES_CDIV = """\
+last_row = min(first_row + block_m, q_len)
+return max(0, -(-(context_len + last_row) // block_n)) if first_row < q_len else 0
+"""
 # lab 17: a queue.Queue per stream, one condition for everything (notify_all), the newest request first in the batch
 BATCHER = """\
 import queue
@@ -532,6 +562,11 @@ ALTERNATIVES = [
                  "test_batches_under_a_tight_token_budget", "test_close_drains_or_cancels",
                  "test_an_idle_batcher_uses_no_cpu", "test_stress_many_threads_random_aborts",
                  "test_stress_close_while_busy")),
+    Alternative("18_flash_attention", "tiled_attention", "all_rows_one_tile", TILED_ALL_ROWS,
+                ("test_tiled_matches_sdpa_float64", "test_tiled_never_materialises_n_by_n",
+                 "test_tiled_fp32_fp16_and_large_logits")),
+    Alternative("18_flash_attention", "causal_kv_tiles", "ceiling_of_keys", KV_TILES_CDIV,
+                ("test_causal_kv_tiles_examples", "test_causal_kv_tiles_contract")),
 ]
 
 
