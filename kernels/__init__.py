@@ -71,9 +71,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         if cpu.load() is None:
             raise RuntimeError(f"the cpu backend's C kernels could not be built: {cpu.load_error()}")
     if backend == "triton" and importlib.util.find_spec("triton") is None:
-        raise RuntimeError("the Triton backend needs triton, which publishes Linux wheels only and is not installed "
-                           "here: use backend='cpu' or 'torch' (a Linux machine, container or hosted GPU notebook for "
-                           "Triton: docs/hosted.md)")
+        raise ModuleNotFoundError("the Triton backend needs triton, which publishes Linux wheels only and is not "
+                                  "installed here: use backend='cpu' or 'torch' (a Linux machine, container or hosted "
+                                  "GPU notebook for Triton: docs/hosted.md)", name="triton")
     interpret = os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
     if backend == "triton" and device.type != "cuda" and not interpret:
         raise RuntimeError(f"the Triton backend got {device.type} tensors: set TRITON_INTERPRET=1 in the environment "

@@ -19,6 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from grader.without_triton import REASON as NO_TRITON
+from grader.without_triton import ROUTES, triton_installed
+
 # Triton's interpreter must be chosen before `kernels.triton.*` is first imported (the kernels are
 # decorated then), and any test folder may import it first: the kernel tests, the labs' kernel tasks, the
 # engine with backend="triton". On a CUDA machine it is left alone: the tests want compiled kernels.
@@ -37,6 +40,34 @@ _running: list[Future] = []
 
 def _folder(testrunuid: str) -> Path:
     return Path(tempfile.gettempdir()) / f"inference-labs-selftests-{testrunuid}"
+
+
+def _no_triton(exc: BaseException | None) -> bool:
+    """An error that only says triton is not installed here (a Mac: triton publishes Linux wheels only)."""
+    return isinstance(exc, ModuleNotFoundError) and exc.name == "triton" and not triton_installed()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """A test that needs triton where it is not installed skips with the reason, as the labs' Triton tasks do."""
+    try:
+        return (yield)
+    except ModuleNotFoundError as exc:
+        if _no_triton(exc):
+            pytest.skip(f"{NO_TRITON} ({ROUTES})")
+        raise
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """A test file that imports triton where it is not installed: skipped with the reason, not an error."""
+    report = yield
+    said = str(report.longrepr) if report.failed else ""
+    if ("No module named 'triton'" in said or "needs triton, which publishes Linux wheels only" in said) \
+            and not triton_installed():
+        report.outcome = "skipped"
+        report.longrepr = (str(collector.path), 0, f"Skipped: {NO_TRITON} ({ROUTES})")
+    return report
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
