@@ -16,15 +16,16 @@ import sys
 import pytest
 
 from grader.check import check
-from grader.labs import REPO_ROOT
+from grader.labs import REPO_ROOT, tests_path
 from grader.release import solution_labs
 from grader.results import SKIPPED, TestResult, format_points_table
 from grader.without_triton import REASON, ROUTES, MissingKernel, TritonMissing, is_triton_skip, tl, triton, \
     triton_installed
 
 LABS = solution_labs()
-# The labs with Triton tasks: their tests marked `triton` (grader/labtests).
-TRITON_LABS = {"06_paged_attention_kernel", "07_flash_decoding", "08_fp8_kv_cache", "09_multi_lora"}
+# The labs with Triton tasks: their official tests use triton (a kernel, or kernels.triton); those tests are
+# marked `triton`, and a lab whose tests use triton without the mark fails below.
+TRITON_LABS = {lab for lab in LABS if "triton" in tests_path(lab).read_text()}
 needs_no_triton = pytest.mark.skipif(triton_installed(), reason="triton is installed here: `make test-notriton` "
                                                                  "runs this in .venv-notriton")
 # One lab's official tests on its solution and on its released stub, in a fresh interpreter (as a learner runs them).
