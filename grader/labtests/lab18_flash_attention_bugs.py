@@ -46,7 +46,7 @@ BUGS = [
                "kv_end = seq_len"),
     PlantedBug("kernel_natural_scale_with_exp2", "scale * LOG2E,", "scale,"),
     PlantedBug("kernel_not_normalised", "out = acc / l[:, None]", "out = acc"),
-    PlantedBug("launcher_one_tile_per_sequence", "grid = (triton.cdiv(num_tokens, BLOCK_M), num_heads, num_seqs)",
+    PlantedBug("launcher_one_tile_per_sequence", 'grid = (triton.cdiv(num_tokens, cfg["BLOCK_M"]), num_heads, num_seqs)',
                "grid = (1, num_heads, num_seqs)"),
     # the questions
     PlantedBug("answers_fa1_queries_outside", '"fa1_loop_order": "b"', '"fa1_loop_order": "a"'),
