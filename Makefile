@@ -52,8 +52,8 @@ test: venv
 
 # The kit where triton has no wheel (macOS): .venv's packages hard-linked into .venv-notriton (seconds, no
 # download, the same pins), triton left out. make test-notriton (run by .ci/run after make test): every lab's
-# solution and stub graded there (each test passes or skips with "Triton needs Linux"), and the engine
-# against Hugging Face.
+# solution graded there (each test passes or skips with "Triton needs Linux"; the stubs of the labs with Triton
+# tasks too), and the engine against Hugging Face. About 4 min on 2 loaded cores.
 NOTRITON_VENV := .venv-notriton
 NOTRITON_STAMP := $(NOTRITON_VENV)/.from-$(notdir $(STAMP))
 NOTRITON_TESTS ?= tests/grader/test_without_triton.py tests/engine/test_engine_hf.py
