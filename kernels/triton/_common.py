@@ -46,6 +46,12 @@ def scale_arg(scale: float | torch.Tensor, num_kv_heads: int) -> tuple[float | t
                      f"got shape {tuple(scale.shape)}")
 
 
+def device_capability(t: torch.Tensor) -> tuple[int, int] | None:
+    """(major, minor) of the GPU holding `t`; None under the interpreter. Tile sizes depend on it: Triton has
+    tensor-core dots from sm_80 (Ampere) on; on a T4 (sm_75) every dot runs on the CUDA cores, in registers."""
+    return torch.cuda.get_device_capability(t.device) if t.is_cuda else None
+
+
 def fp8_storage(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(the cache as the kernel takes it, FP8_BITS): itself and 0 for a non-fp8 cache or where the device
     converts fp8 natively; else its bytes and 1 (e4m3fn) or 2 (e5m2)."""

@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import INTERPRET, check_device, dot, fp8_args, load_kv, load_scale, upcast_dot
+from kernels.triton._common import (INTERPRET, check_device, device_capability, dot, fp8_args, load_kv, load_scale,
+                                    upcast_dot)
 
 LOG2E = math.log2(math.e)
 
@@ -135,14 +136,20 @@ def _merge_kernel(
     tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def _config(block_size: int, dtype: torch.dtype) -> dict:
+def _config(block_size: int, dtype: torch.dtype, capability: tuple[int, int] | None = (9, 0),
+            fp8_bits: bool = False) -> dict:
     """Tile sizes. GPU: 64-token K/V tiles (16 KiB per tile at head_dim 128 in bf16), 4 warps,
     2 pipeline stages: a documented fixed choice rather than autotuning, so a first call inside
-    CUDA-graph capture never benchmarks. Interpreter: 16-token tiles, which also makes tiles
-    straddle cache blocks in the tests (block sizes 8 and 16)."""
+    CUDA-graph capture never benchmarks. Where the dots' operands sit in registers (fp32's exact dots; every
+    dot on a T4, sm_75, where Triton has no tensor-core dot) and for an fp8 cache decoded with integer
+    operations, 16-token tiles: the largest that compile without a spill, within the register budget and a
+    T4's 64 KiB of shared memory on every target (`make gpu-compile`). Interpreter: 16-token tiles, which also
+    makes tiles straddle cache blocks in the tests (block sizes 8 and 16)."""
     if INTERPRET:
         return dict(BLOCK_N=16, num_warps=1, num_stages=1)
-    return dict(BLOCK_N=max(64, block_size), num_warps=4, num_stages=1 if dtype == torch.float32 else 2)
+    turing = capability is not None and capability < (8, 0)
+    block_n = 16 if turing or dtype == torch.float32 or fp8_bits else 64
+    return dict(BLOCK_N=max(block_n, block_size), num_warps=4, num_stages=1 if dtype == torch.float32 else 2)
 
 
 # seam: labs 06, 07 (grader/seams.py)
@@ -170,8 +177,8 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    cfg = _config(block_size, query.dtype)
     kc, vc, ks, vs, fp8_flags = fp8_args(key_cache, value_cache, k_scale, v_scale)
+    cfg = _config(block_size, query.dtype, device_capability(query), fp8_flags["FP8_BITS"] > 0)
     block_d = max(16, triton.next_power_of_2(head_dim))
     if num_splits == 1:
         target, lse = out, out  # lse unused when NUM_SPLITS == 1

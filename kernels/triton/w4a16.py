@@ -67,8 +67,10 @@ def _w4a16_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, perm_ptr, out_ptr, 
 
 
 def block_k_for(group_size: int) -> int:
-    """The largest K tile in 128, 64, 32, 16 that divides `group_size` (tl.dot needs >= 16)."""
-    for b in (128, 64, 32, 16):
+    """The largest K tile in 64, 32, 16 that divides `group_size` (tl.dot needs >= 16). Not 128: the
+    unpacked [BLOCK_K, BLOCK_N] weight tile is built in registers, and at 128 the kernel sat at 255 registers
+    per thread (the occupancy floor) and spilled at M = 256 (`make gpu-compile`)."""
+    for b in (64, 32, 16):
         if group_size % b == 0:
             return b
     raise ValueError(f"group_size must be a multiple of 16 for the Triton W4A16 kernel, got {group_size}")
@@ -88,7 +90,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     perm_arg = qweight if perm is None else perm.to(torch.int32).contiguous()  # unread without HAS_PERM
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-    cfg, split, per_split = gemm_tiles(m, n, k, block_k_for(group_size), sms, INTERPRET)
+    cfg, split, per_split = gemm_tiles(m, n, k, block_k_for(group_size), sms, INTERPRET, max_block_n=64)
     # split-K partials in fp32, added in a fixed order; one split writes the output directly
     out = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
