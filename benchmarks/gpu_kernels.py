@@ -5,7 +5,7 @@ The launch parameters come from the launchers' own helpers (`_config`, `gemm_til
 rule), so a changed tile size shows up here. Shapes: the real models' (SmolLM2-135M: 9 query / 3 KV heads of 64,
 hidden 576; qwen3-0.6b-shape: 16 / 8 heads of 128, hidden 1024), block 16, fp32 / bf16 / fp16 and both fp8
 caches, split and unsplit decode, LoRA ranks 16 (the engine's default max) and 64; the CPU tests' odd head size
-(24) and block size 8; and the learner kernels of labs 06, 07 and 09 as their solution notebooks (or, with
+(24) and block size 8; and the learner kernels of labs 06, 07, 09 and 18 as their solution notebooks (or, with
 `--labs-dir labs`, the learner's own notebooks) write them.
 
 Register budgets: 255 is the hardware's ceiling per thread; at 128 a 4-warp block still leaves 4 blocks (16
@@ -249,7 +249,8 @@ def engine_cases() -> list[Case]:
 
 
 # ---- the labs' learner kernels --------------------------------------------------------------------------------
-LAB_NOTEBOOKS = {"06": "06_paged_attention_kernel", "07": "07_flash_decoding", "09": "09_multi_lora"}
+LAB_NOTEBOOKS = {"06": "06_paged_attention_kernel", "07": "07_flash_decoding", "09": "09_multi_lora",
+                 "18": "18_flash_attention"}
 
 
 @lru_cache(maxsize=None)
@@ -299,6 +300,21 @@ def lab_lora(labs_dir: Path | None, dtype: torch.dtype, cap: int) -> Launch:
                                               row_slots_ptr="*i32"), dict(BLOCK_K=32, BLOCK_R=16), 4, 1)
 
 
+def lab_flash_attention(labs_dir: Path | None, model: Model, dtype: torch.dtype, cap: int) -> Launch:
+    """Lab 18's FlashAttention-2 forward (one program per query tile, head and sequence) as its launcher runs it on
+    a GPU of `cap`: the notebook's own `tile_config` (64 x 32 over 8 warps in fp16/bf16, 32 x 16 on sm_75, 16 x 16
+    in fp32)."""
+    nb = load_lab("18", labs_dir)
+    dt = TRITON_TYPES[dtype]
+    cfg = nb.tile_config(dtype, (cap // 10, cap % 10))
+    types = dict(q_ptr=f"*{dt}", k_cache_ptr=f"*{dt}", v_cache_ptr=f"*{dt}", block_tables_ptr="*i32",
+                 seq_lens_ptr="*i32", query_start_loc_ptr="*i32", out_ptr=f"*{dt}", scale_log2="fp32")
+    const = dict(GROUP=model.num_heads // model.num_kv_heads, BLOCK_SIZE=16, BLOCK_M=cfg["BLOCK_M"],
+                 BLOCK_N=cfg["BLOCK_N"], BLOCK_D=_block_d(model.head_dim), UPCAST=dtype == torch.float32)
+    return Launch(nb.flash_attention_kernel, types, const, cfg["num_warps"], cfg["num_stages"],
+                  frozenset({"stride_bt"}), f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}")
+
+
 def lab_cases(labs_dir: Path | None = None) -> list[Case]:
     out = []
     for lab in ("06", "07"):
@@ -308,6 +324,9 @@ def lab_cases(labs_dir: Path | None = None) -> list[Case]:
     for dtype in (torch.float32, torch.bfloat16):
         out.append(Case(f"lab09 bgmv_shrink {TRITON_TYPES[dtype]} rank=16", LAB_LORA_REGISTERS,
                         partial(lab_lora, labs_dir, dtype)))
+    for model, dtype in ((SMOLLM2, torch.bfloat16), (QWEN3, torch.bfloat16), (QWEN3, torch.float32)):
+        out.append(Case(f"lab18 flash_attention {model.name} {TRITON_TYPES[dtype]}", PREFILL_REGISTERS,
+                        partial(lab_flash_attention, labs_dir, model, dtype)))
     return out
 
 
