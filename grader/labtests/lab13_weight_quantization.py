@@ -251,7 +251,9 @@ def test_w8a8_linear_bias_residual_bf16_empty(student):
 @pytest.mark.task("int8_linear_apply")
 def test_w8a8_no_python_loop_over_rows(student):
     """apply makes as many torch calls (grader.harness.CountTorchCalls) for 64 rows as for 2: one quantize, one
-    GEMM, one epilogue for the whole batch. A loop over rows gives the right values and 64 GEMM launches."""
+    GEMM, one epilogue for the whole batch, and reads no tensor back to Python (`.item()`, `.tolist()`, `float(t)`:
+    a host sync per forward). A loop over rows gives the right values and 64 GEMM launches; rows read back with one
+    `.tolist()` and quantized in Python give them too, with no extra torch call."""
     gen = _gen(5)
     w = torch.randn(8, 32, generator=gen)
     with plug(student, LAB, only=INT8):
@@ -260,7 +262,9 @@ def test_w8a8_no_python_loop_over_rows(student):
             layer(torch.randn(2, 32, generator=gen))
         with CountTorchCalls() as many:
             y = layer(x := torch.randn(64, 32, generator=gen))
-    expect_equal(many.calls - few.calls, 0, "torch calls of the W8A8 Linear on 64 rows minus those on 2 rows")
+    syncs = sum(many.names[name] for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"))
+    expect_equal((many.calls - few.calls, syncs), (0, 0), "the W8A8 Linear on 64 rows: (its torch calls minus those "
+                 "on 2 rows, its host syncs: .item, .tolist, int(t), float(t))")
     expect_close(y, _w8a8_reference(x, w), "the W8A8 Linear [8, 32] on 64 rows", rtol=2e-6, atol=1e-6)
 
 

@@ -34,6 +34,11 @@ BUGS = [
     PlantedBug("one_gemm_per_row", "    acc = int8_mm(qx, layer.weight_q.t())\n",
                "    acc = torch.cat([int8_mm(qx[i:i + 1], layer.weight_q.t()) for i in range(qx.shape[0])]) if len(qx) "
                "else int8_mm(qx, layer.weight_q.t())\n"),
+    # per-token scales in Python after one .tolist(): right values, no extra torch call per row, a host sync
+    PlantedBug("per_token_scales_read_back",
+               "    scale = x.float().abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / QMAX\n",
+               "    scale = torch.tensor([[max(max(abs(v) for v in row), torch.finfo(torch.float32).tiny) / QMAX]\n"
+               "                          for row in x.float().tolist()]).reshape(-1, 1)\n"),
     # convert_to_channelwise
     # the largest module scale for every row, as vLLM's fp8 path does, but without requantizing the codes
     PlantedBug("channelwise_max_scale_without_requantizing", "return weight_scale.float().repeat_interleave(widths)",
