@@ -201,6 +201,9 @@ ENGINE_AS_STUDENT_EXEMPT = {
     "07_flash_decoding": {"test_split_kernel_partials_and_lse", "test_split_kernel_1_to_16_splits",
                           "test_split_kernel_gqa_fp16_strided", "test_split_kernel_empty_row",
                           "test_split_kernel_fp16_keeps_fp32_partials"},
+    # the same: they count launches of `flash_attention_kernel`
+    "18_flash_attention": {"test_kernel_one_sequence", "test_kernel_varlen_with_prefix", "test_kernel_gqa",
+                           "test_kernel_fp16_and_strided_query"},
 }
 
 
