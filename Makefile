@@ -222,7 +222,7 @@ gpu-check: venv
 	print("make gpu-check:", ", ".join("%s (sm_%d%d)" % (torch.cuda.get_device_name(i), \
 	*torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())), "; torch", torch.__version__)'
 	@status=0; \
-	timeout 165 $(PY) -m pytest -q -p no:cacheprovider --ignore=tests/kernels/test_gpu_compile.py $(GPU_TESTS) || status=1; \
+	timeout 165 $(PY) -m pytest -q --ignore=tests/kernels/test_gpu_compile.py -p no:cacheprovider $(GPU_TESTS) || status=1; \
 	timeout 70 $(PY) -m benchmarks.kernels --acceptance --repeats 10 || status=1; \
 	if $(PY) -c 'import sys, torch; sys.exit(torch.cuda.get_device_capability() < (8, 9))'; then \
 	timeout 30 $(PY) -m benchmarks.kernels --quant --repeats 10 || status=1; \
