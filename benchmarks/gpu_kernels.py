@@ -159,12 +159,16 @@ def lora(kernel: str, dtype: torch.dtype, rank: int, cap: int) -> Launch:
         types = dict(t_ptr="*fp32", b_ptr=f"*{dt}", y_ptr=f"*{dt}", scaling_ptr="*fp32", row_slots_ptr="*i32")
         const = dict(BLOCK_N=lora_kernels.BLOCK_N, BLOCK_R=block_r)
     elif kernel == "sgmv_shrink":
+        block_k, _, warps = lora_kernels.sgmv_tiles((cap // 10, cap % 10))
         types = dict(x_ptr=f"*{dt}", a_ptr=f"*{dt}", out_ptr="*fp32", seg_starts_ptr="*i32", seg_slots_ptr="*i32")
-        const = dict(BLOCK_M=lora_kernels.BLOCK_M, BLOCK_K=lora_kernels.BLOCK_K, BLOCK_R=block_r, UPCAST=up)
+        const = dict(BLOCK_M=lora_kernels.BLOCK_M, BLOCK_K=block_k, BLOCK_R=block_r, UPCAST=up)
+        return Launch(fn, types, const, warps, 1)
     else:
+        _, block_n, warps = lora_kernels.sgmv_tiles((cap // 10, cap % 10))
         types = dict(t_ptr="*fp32", b_ptr=f"*{dt}", y_ptr=f"*{dt}", scaling_ptr="*fp32", seg_starts_ptr="*i32",
                      seg_slots_ptr="*i32")
-        const = dict(BLOCK_M=lora_kernels.BLOCK_M, BLOCK_N=lora_kernels.BLOCK_N, BLOCK_R=block_r, UPCAST=up)
+        const = dict(BLOCK_M=lora_kernels.BLOCK_M, BLOCK_N=block_n, BLOCK_R=block_r, UPCAST=up)
+        return Launch(fn, types, const, warps, 1)
     return Launch(fn, types, const, 4, 1)
 
 
@@ -336,8 +340,6 @@ T4_DOTS = "a T4 (sm_75) gets no tensor-core dot from Triton (MMA from sm_80 on):
 LAB_TILES = ("the lab's solution launches 64-token tiles on every GPU (lab 06 section 9 reads this table); "
              "the engine's kernel takes smaller ones there")
 OPEN: dict[tuple[str, int], str] = {
-    ("lora sgmv_shrink bf16", 75): f"{T4_DOTS}; T4 LoRA tiles not tuned yet",
-    ("lora sgmv_expand bf16 rank=64", 75): f"{T4_DOTS}; T4 LoRA tiles not tuned yet",
     ("w4a16 M=256", 75): f"{T4_DOTS}; T4 tiles for large-M W4A16 not tuned yet",
     **{(f"lab{lab} decode {shape}", 75): f"{T4_DOTS}; {LAB_TILES}"
        for lab in ("06", "07") for shape in ("smollm2 bf16", "qwen3-0.6b")},

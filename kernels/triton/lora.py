@@ -19,13 +19,24 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import INTERPRET, check_device, dot, upcast_dot
+from kernels.triton._common import INTERPRET, check_device, device_capability, dot, upcast_dot
 
 BLOCK_M, BLOCK_K, BLOCK_N = 16, 64, 64
 
 
 def _block_r(rank: int) -> int:
     return max(16, triton.next_power_of_2(rank))
+
+
+def sgmv_tiles(capability: tuple[int, int] | None) -> tuple[int, int, int]:
+    """(BLOCK_K of the shrink, BLOCK_N of the expand, num_warps) of the SGMV kernels. A T4 (sm_75) gets no
+    tensor-core dot from Triton, so the tiles' operands sit in registers: half-size tiles over 8 warps keep
+    rank 64 within 128 registers there, where 64-wide tiles over 4 warps spilled (`make gpu-compile`)."""
+    if INTERPRET:
+        return BLOCK_K, BLOCK_N, 1
+    if capability is not None and capability < (8, 0):
+        return 32, 16, 8
+    return BLOCK_K, BLOCK_N, 4
 
 
 @triton.jit
@@ -152,10 +163,11 @@ def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_starts: torch.Tensor,
     k, rank = x.shape[1], lora_a.shape[1]
     out = torch.zeros(x.shape[0], rank, dtype=torch.float32, device=x.device)
     if len(seg_slots) and max_seg_len > 0:
+        block_k, _, warps = sgmv_tiles(device_capability(x))
         _sgmv_shrink_kernel[(len(seg_slots), triton.cdiv(max_seg_len, BLOCK_M))](
             x, lora_a, out, seg_starts, seg_slots, k, rank, x.stride(0), lora_a.stride(0), lora_a.stride(1),
-            out.stride(0), BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=_block_r(rank), UPCAST=upcast_dot(x.dtype),
-            num_warps=1 if INTERPRET else 4)
+            out.stride(0), BLOCK_M=BLOCK_M, BLOCK_K=block_k, BLOCK_R=_block_r(rank), UPCAST=upcast_dot(x.dtype),
+            num_warps=warps)
     return out
 
 
@@ -164,8 +176,9 @@ def sgmv_expand(y: torch.Tensor, t: torch.Tensor, lora_b: torch.Tensor, seg_star
     _check(y, lora_b, "sgmv_expand", t, seg_starts, seg_slots, scaling)
     n = y.shape[1]
     if len(seg_slots) and max_seg_len > 0:
-        grid = (len(seg_slots), triton.cdiv(max_seg_len, BLOCK_M), triton.cdiv(n, BLOCK_N))
+        _, block_n, warps = sgmv_tiles(device_capability(y))
+        grid = (len(seg_slots), triton.cdiv(max_seg_len, BLOCK_M), triton.cdiv(n, block_n))
         _sgmv_expand_kernel[grid](
             t, lora_b, y, scaling, seg_starts, seg_slots, n, lora_b.shape[2], t.stride(0), lora_b.stride(0),
-            lora_b.stride(1), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=_block_r(lora_b.shape[2]),
-            UPCAST=upcast_dot(y.dtype), num_warps=1 if INTERPRET else 4)
+            lora_b.stride(1), y.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_R=_block_r(lora_b.shape[2]),
+            UPCAST=upcast_dot(y.dtype), num_warps=warps)
