@@ -22,14 +22,14 @@ def test_solution_passes_with_full_points_from_the_repo_root():
     assert done.returncode == 0, done.stdout
     assert "solutions/00_warmup/00_warmup.ipynb ....." in done.stdout
     assert "points per task" in done.stdout
-    assert "num_blocks_needed  5 / 5" in done.stdout
+    assert "num_blocks_needed  4 / 4" in done.stdout
 
 
 def test_stub_fails_with_zero_points_from_inside_the_folder():
     done = run_pytest(cwd=REPO_ROOT / "labs" / "00_warmup")
     assert done.returncode == 1, done.stdout
     assert "5 failed" in done.stdout
-    assert "num_blocks_needed  0 / 5" in done.stdout
+    assert "num_blocks_needed  0 / 4" in done.stdout
     assert "cell 4 of 00_warmup.ipynb" in done.stdout  # the traceback points at the notebook cell
 
 
