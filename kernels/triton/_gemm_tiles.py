@@ -16,15 +16,16 @@ MIN_TILES_PER_SPLIT = 4
 
 
 def gemm_tiles(m: int, n: int, k: int, block_k: int, num_sms: int, interpret: bool,
-               max_block_n: int = 128) -> tuple[dict, int, int]:
+               max_block_n: int = 128, max_block_m: int = 128) -> tuple[dict, int, int]:
     """(launch config, split, K tiles per split) for an `[M, K] x [K, N]` product with K tiles of `block_k`,
-    output tiles at most `max_block_n` wide (W4A16: 64, its dequantized weight tile lives in registers too).
+    output tiles at most `max_block_n` wide (W4A16: 64, its dequantized weight tile lives in registers too) and
+    at most `max_block_m` tall (W4A16 on a T4: 16, without tensor-core MMA the operands live in registers).
     The interpreter gets 16 x 32 tiles, one stage, and splits as if the device had one SM (so small test
     shapes run both the split and the plain path)."""
     if interpret:
         cfg, sms, min_tiles = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, num_warps=4, num_stages=1), 1, 2
     else:
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+        block_m = min(max_block_m, 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128)
         block_n = min(max_block_n, 64 if m <= 64 else 128)
         cfg = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=8 if block_m >= 128 else 4,
                    num_stages=3)

@@ -76,6 +76,12 @@ def block_k_for(group_size: int) -> int:
     raise ValueError(f"group_size must be a multiple of 16 for the Triton W4A16 kernel, got {group_size}")
 
 
+def max_block_m_for(major: int) -> int:
+    """Tallest output tile: a T4 (sm_75) has no MMA that Triton uses, so the operands and accumulator of a tall
+    tile live in registers there (`make gpu-compile`, docs/gpu_targets.md: 16 rows fit the budget)."""
+    return 16 if major < 8 else 128
+
+
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                group_size: int, perm: torch.Tensor | None = None) -> torch.Tensor:
     """x `[M, K]` fp16/bf16/fp32 @ the int4 weight `[N, K]`.T -> `[M, N]` in x's dtype (contract:
@@ -90,7 +96,9 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     qweight, scales, zeros = qweight.contiguous(), scales.contiguous(), zeros.contiguous()
     perm_arg = qweight if perm is None else perm.to(torch.int32).contiguous()  # unread without HAS_PERM
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-    cfg, split, per_split = gemm_tiles(m, n, k, block_k_for(group_size), sms, INTERPRET, max_block_n=64)
+    cfg, split, per_split = gemm_tiles(m, n, k, block_k_for(group_size), sms, INTERPRET, max_block_n=64,
+                                       max_block_m=max_block_m_for(torch.cuda.get_device_capability(x.device)[0]
+                                                                   if x.is_cuda else 8))
     # split-K partials in fp32, added in a fixed order; one split writes the output directly
     out = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
