@@ -57,7 +57,7 @@ def test_an_error_in_a_live_cell_names_the_cell_and_line(learner_run):
 
 def test_the_cell_says_what_its_hidden_tests_are_worth(learner_run):
     report = text_of(learner_run.cells[2])
-    assert "this cell is worth 5: 4 hidden tests (4 pts) run at grading" in report
+    assert "this cell is worth 4: 3 hidden tests (3 pts) run at grading" in report
     assert "pytest labs/00_warmup" in report
 
 
