@@ -503,16 +503,24 @@ class CountLaunches:
         return getattr(self.kernel, name)
 
 
+HOST_SYNCS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")  # a tensor read back to Python
+
+
 class CountTorchCalls(TorchFunctionMode):
     """`with CountTorchCalls() as counted:` counts the torch functions, tensor methods, operators and
     indexing called inside (`counted.calls`; the calls those make in turn are not counted). A vectorised
     function makes as many calls for 64 rows as for 2; a Python loop over them makes more. `counted.names`
-    counts them by name (`item`, `tolist`, `__int__`: the host syncs lab 14 counts; `cat`, `clone`)."""
+    counts them by name (`cat`, `clone`), `counted.host_syncs` the tensors read back to Python."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls = 0
         self.names: Counter = Counter()
+
+    @property
+    def host_syncs(self) -> int:
+        """Tensors read back to Python (`.item()`, `.tolist()`, `int(t)`, `bool(t)`...): each a device sync."""
+        return sum(self.names[name] for name in HOST_SYNCS)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         self.calls += 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 
@@ -99,24 +98,5 @@ def test_a_dead_worker_fails_the_requests_in_flight_and_the_server_says_it_is_do
         poll(lambda: True if not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
              else None, "the surviving worker stopped")
     finally:
-        stop(server)
+        server.stop()
 
-
-def stop(server: Server) -> None:
-    """SIGINT, then wait until nothing of the server's session is left: its orphaned resource tracker may stay
-    a zombie for a moment, until the machine's init reaps it (so no single check right after the exit)."""
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGINT)
-        try:
-            server.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.proc.pid, signal.SIGKILL)
-            server.proc.wait(10)
-
-    def gone() -> bool | None:
-        try:
-            os.killpg(server.proc.pid, 0)
-        except ProcessLookupError:
-            return True
-        return None
-    poll(gone, "the server's session gone")
