@@ -83,7 +83,7 @@ class SpeculativeConfig:
 
 
 # vLLM's names: W8A8 int8, online round-to-nearest W4A16 (or W8A16), GPTQ and AWQ checkpoints
-QUANTIZATION_METHODS = ("int8", "rtn", "gptq", "awq", "gguf", "fp8")
+QUANTIZATION_METHODS = ("int8", "rtn", "gptq", "awq", "gguf", "fp8", "nf4")
 _FP8_OPTIONS = {"weight_strategy": ("tensor", "channel"), "activation_strategy": ("tensor", "token"),
                 "activation_scheme": ("dynamic",)}  # the first of each is the default (vLLM's online fp8)
 _RTN_BITS = (4, 8)
@@ -98,7 +98,8 @@ class QuantizationConfig:
     are the defaults), or "gptq" / "awq" (a pre-quantized checkpoint; its options come from its config.json), or
     "gguf" (the projections' Q4_1 blocks from a GGUF file served as int4), or "fp8" (float8_e4m3fn weights quantized
     at load, dynamic fp8 activations; `quantization_config={"weight_strategy": "tensor" or "channel",
-    "activation_strategy": "tensor" or "token"}`, "tensor" both by default, as vLLM's online fp8)."""
+    "activation_strategy": "tensor" or "token"}`, "tensor" both by default, as vLLM's online fp8), or "nf4" (QLoRA's
+    NormalFloat4 weights in blocks of 64 with fp32 absmax, quantized at load, dequantized at each GEMM)."""
 
     method: str
     bits: int
@@ -140,13 +141,16 @@ class QuantizationConfig:
         options = {} if quantization_config is None else quantization_config
         _need(isinstance(options, dict), "quantization_config", "None or a dict like {'bits': 4, 'group_size': 128}",
               options)
-        known = {"rtn": ("bits", "group_size"), "int8": ("smoothquant", "alpha"), "fp8": tuple(_FP8_OPTIONS)}[method]
+        known = {"rtn": ("bits", "group_size"), "int8": ("smoothquant", "alpha"), "fp8": tuple(_FP8_OPTIONS),
+                 "nf4": ()}[method]
         unknown = sorted(str(k) for k in options if k not in known)
         if unknown:
             raise ValueError(f"quantization_config has unknown key(s) {unknown} for quantization={method!r}; "
                              f"allowed: {list(known)}")
         if method == "int8":
             return cls._int8(options)
+        if method == "nf4":  # QLoRA's NormalFloat4, blocks of 64 along each row (models/quantization/nf4.py)
+            return cls("nf4", 4, 64)
         if method == "fp8":
             chosen = {k: check_choice(f"quantization_config[{k!r}]", options.get(k, allowed[0]), allowed)
                       for k, allowed in _FP8_OPTIONS.items()}
@@ -200,6 +204,9 @@ class EngineConfig:
     # priority other than 0 are an error under fcfs, as in vLLM)
     scheduling_policy: str = "fcfs"
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out KV blocks
+    # CPU offload tier for finished sessions' KV (engine_core/worker/kv_offload.py), in bytes; 0 = off. Needs
+    # enable_prefix_caching (keyed by its block hashes) and one process; at most the host's memory
+    kv_offload_bytes: int = 0
     # Cost-model rates for choose_preemption_mode; None = documented default of the device.
     prefill_flops_per_s: float | None = None
     swap_bandwidth_bytes_per_s: float | None = None
@@ -266,6 +273,8 @@ class EngineConfig:
         self.preemption_mode = check_choice("preemption_mode", self.preemption_mode, _PREEMPTION_MODES)
         self.scheduling_policy = check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         self.swap_space = check_real("swap_space", self.swap_space, 0.0, hint="GiB")
+        self.kv_offload_bytes = check_int("kv_offload_bytes", self.kv_offload_bytes, 0, _host_memory_bytes(),
+                                          hint="the CPU offload tier, at most the host's memory; 0 = off")
         for name in ("prefill_flops_per_s", "swap_bandwidth_bytes_per_s"):
             setattr(self, name, check_real(name, getattr(self, name), 0.0, lo_open=True, optional=True))
         self.kv_cache_dtype = check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)

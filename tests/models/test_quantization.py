@@ -281,7 +281,7 @@ def test_stats_count_the_quantized_weight_bytes() -> None:
 
 # ---- bad input -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(quantization="fp4"), r"quantization must be one of \('int8', 'rtn', 'gptq', 'awq', 'gguf', 'fp8'\)"),
+    (dict(quantization="fp4"), r"quantization must be one of \('int8', 'rtn', 'gptq', 'awq', 'gguf', 'fp8', 'nf4'\)"),
     (dict(quantization=8), r"quantization must be one of"),
     (dict(quantization="rtn", quantization_config={"bits": 3}), r"quantization_config\['bits'\] must be one of \(4, 8\)"),
     (dict(quantization="rtn", quantization_config={"bits": True}), r"quantization_config\['bits'\]"),

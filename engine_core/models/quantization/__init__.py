@@ -8,6 +8,7 @@
 - gguf_q4_1.py: a GGUF file's Q4_1 blocks served as they are, `quantization="gguf"`
 - gguf_q8_0.py: its Q8_0 embedding blocks as the tied LM head (bf16 on CPU, as llama.cpp serves it)
 - fp8.py: W8A8 float8_e4m3fn quantized at load, `quantization="fp8"`
+- nf4.py: QLoRA's NormalFloat4 weights (blocks of 64, fp32 absmax), `quantization="nf4"`
 
 The embedding stays dense, and so does the LM head except gguf_q8_0's.
 """
@@ -18,6 +19,7 @@ from engine_core.models.config import LlamaArgs
 from engine_core.models.quantization.base import LinearMethodBase
 from engine_core.models.quantization.fp8 import Fp8LinearMethod, check_fp8_supported
 from engine_core.models.quantization.int8 import Int8LinearMethod
+from engine_core.models.quantization.nf4 import NF4LinearMethod
 from engine_core.models.quantization.packed import (PACKED_METHODS, PackedLinearMethod, fused_tensors,
                                                     resolve_packed_config)
 from engine_core.models.quantization.rtn import RTNLinearMethod
@@ -40,6 +42,8 @@ def get_linear_method(quant: QuantizationConfig | None, prefix: str | None = Non
         return SmoothQuantInt8LinearMethod(linear_amax_of(quant.smoothquant, prefix, in_features), quant.alpha)
     if quant.method == "int8":
         return Int8LinearMethod()
+    if quant.method == "nf4":
+        return NF4LinearMethod()
     return RTNLinearMethod(quant.bits, quant.group_size)
 
 
@@ -57,7 +61,7 @@ def check_model_shapes(quant: QuantizationConfig | None, args: LlamaArgs) -> Non
 
 
 __all__ = ["LinearMethodBase", "UnquantizedLinearMethod", "Int8LinearMethod", "RTNLinearMethod", "Fp8LinearMethod",
-           "check_fp8_supported",
+           "NF4LinearMethod", "check_fp8_supported",
            "SmoothQuantInt8LinearMethod", "PackedLinearMethod", "PACKED_METHODS", "fused_tensors",
            "resolve_packed_config",
            "get_linear_method", "check_model_shapes"]
