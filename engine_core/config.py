@@ -177,6 +177,10 @@ class QuantizationConfig:
         return cls("int8", 8, None, str(path), alpha)
 
 
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)` / `LLMEngine(...)` accept besides the model.
