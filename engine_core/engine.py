@@ -30,6 +30,7 @@ from engine_core.presets import resolve_model
 from engine_core.prompts import PromptType, parse_prompt
 from engine_core.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
 from engine_core.validation import check_int, check_real, fail
+from engine_core.worker.kv_offload import KVOffloadConnector
 
 
 class LLMEngine:
@@ -61,6 +62,13 @@ class LLMEngine:
         # vLLM's batch queue: (pending call, its SchedulerOutput) of the steps in flight, oldest first
         self.batch_queue_size = self.executor.max_concurrent_batches
         self.batch_queue: deque[tuple[Any, SchedulerOutput]] = deque()
+        self.kv_offload: KVOffloadConnector | None = None  # the CPU offload tier (kv_offload_bytes > 0)
+        if config.kv_offload_bytes:
+            if self.runner is None or self.batch_queue_size != 1:
+                raise ValueError("kv_offload_bytes > 0 needs the engine in one process (tensor_parallel_size = "
+                                 "pipeline_parallel_size = 1, max_concurrent_batches 1): the tier copies the runner's KV")
+            self.kv_offload = KVOffloadConnector(self.runner.kv_cache, self.scheduler.kv_cache_manager,
+                                                 config.kv_offload_bytes)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "LLMEngine":
@@ -109,6 +117,8 @@ class LLMEngine:
         if adapter is not None:
             self.executor.add_lora(lora_request, adapter)
         self.requests[request_id] = (request, text)
+        if self.kv_offload is not None:  # the copy back starts now; the step that admits it waits for it
+            self.kv_offload.prefetch(token_ids, request.lora_id, request_id)
         return request
 
     @guarded("add_lora()")
@@ -194,7 +204,11 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         before = self.scheduler.make_stats()
+        if self.kv_offload is not None:
+            self.kv_offload.before_schedule(r.request_id for r in self.scheduler.waiting)
         scheduler_output = self.scheduler.schedule()
+        if self.kv_offload is not None:
+            self.kv_offload.before_forward()
         model_runner_output = self.executor.execute_model(scheduler_output)
         counters = self.scheduler.counters
         counters.max_batches_in_flight = max(counters.max_batches_in_flight, 1)
@@ -226,6 +240,8 @@ class LLMEngine:
                       model_runner_output: Any, num_scheduled: int) -> list[RequestOutput]:
         """`update_from_output`, then the step's outputs and counters."""
         reported = self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        if self.kv_offload is not None:  # their blocks are free but still cached: copied before the next forward
+            self.kv_offload.save_finished(r for r in reported if r.is_finished)
         if self._report_stragglers:  # finished by a failed step, not yet reported
             self._report_stragglers = False
             reported = [r for r, _ in self.requests.values() if r.is_finished and r not in reported] + reported
@@ -244,6 +260,8 @@ class LLMEngine:
         blocks (Scheduler.requeue_for_recompute), the runner's block tables and adapter slots forgotten to
         match, and the requests the step finished but did not report left for the next step to report."""
         self.batch_queue.clear()  # forget_all_requests reads the replies still in flight first
+        if self.kv_offload is not None:
+            self.kv_offload.reset()
         self.scheduler.in_flight.clear()
         self.scheduler.requeue_for_recompute()
         self.executor.forget_all_requests()
@@ -266,14 +284,28 @@ class LLMEngine:
         `weight_bytes_by_scheme` the same split by scheme (the projections) and dtype (the other tensors); the KV
         cache sized beside them: `num_gpu_blocks` blocks of `kv_block_bytes` (one rank's)."""
         kv = self.kv_cache_config
-        return {**self.scheduler.stats(), "weight_bytes": self.weight_bytes,
+        offload = {} if self.kv_offload is None else self.kv_offload.stats()
+        return {**self.scheduler.stats(), **offload, "weight_bytes": self.weight_bytes,
                 "weight_bytes_by_scheme": dict(self.weight_bytes_by_scheme), "num_gpu_blocks": kv.num_gpu_blocks,
                 "kv_block_bytes": kv.block_bytes,
                 **{f"comm_{k}": v for k, v in self.executor.comm_stats().items()}}
 
     def shutdown(self) -> None:
-        """Stop the worker processes of a parallel engine (nothing to stop with one process); idempotent."""
+        """Stop the worker processes of a parallel engine (nothing to stop with one process) and the offload
+        tier's copy thread; idempotent."""
         self.executor.shutdown()
+        if self.kv_offload is not None:
+            self.kv_offload.shutdown()
+
+    def prefetch(self, prompt: PromptType, lora_request: LoRARequest | None = None) -> int:
+        """A client's hint that a session returns with `prompt`: start copying its offloaded blocks back now, so
+        the request finds them in the device prefix cache. Returns the blocks whose copy started (0 without
+        kv_offload_bytes)."""
+        if self.kv_offload is None:
+            return 0
+        _, token_ids = self._tokenize(prompt)
+        adapter = self._check_lora(lora_request)
+        return self.kv_offload.prefetch(token_ids, None if adapter is None else adapter.lora_int_id)
 
     def prometheus_metrics(self) -> str:
         """The same numbers in Prometheus' text format, with vLLM's metric names and histograms."""
