@@ -38,8 +38,8 @@ class LLMEngine:
         self.model_config = ModelConfig.load(resolve_model(config.model))
         args = self.model_config.args
         self.config = ResolvedConfig.resolve(config, args.max_position_embeddings, self.model_config.checkpoint_dtype)
-        args.check_max_model_len(self.config.max_model_len)
         spec = config.speculative_config
+        args.check_sliding_window(self.config.max_model_len, config.attention_backend, spec and spec.method)
         if spec is not None and spec.method == "draft_model":  # before any process or weight is loaded
             check_draft_model(spec.model, args.vocab_size, self.config.max_model_len)
         self.executor: Executor = get_executor_class(self.config)(self.config, self.model_config)
@@ -50,7 +50,8 @@ class LLMEngine:
         self.cost_model = PreemptionCostModel.for_device(
             self.model_config.args.model_spec(), self.config.kv_cache_dtype, self.config.device.type,
             config.prefill_flops_per_s, config.swap_bandwidth_bytes_per_s)
-        self.scheduler = Scheduler(self.config, self.kv_cache_config, self.cost_model)
+        self.scheduler = Scheduler(self.config, self.kv_cache_config, self.cost_model,
+                                   sliding_window=args.window(self.config.max_model_len))
         self.tokenizer = self.model_config.load_tokenizer()
         # request id -> (request, prompt text) until its final output is returned (aborted: at once)
         self.requests: dict[str, tuple[Request, str | None]] = {}

@@ -71,6 +71,7 @@ class Stats:
     num_preemptions_swap: int = _stat("preemptions that copied the KV to the CPU pool")
     num_blocks_swapped_out: int = _stat("GPU->CPU block copies planned")
     num_blocks_swapped_in: int = _stat("CPU->GPU block copies planned")
+    num_blocks_out_of_window: int = _stat("GPU blocks freed as they fell out of the model's sliding window")
     prefix_cache_queries: int = _stat("tokens of admitted requests looked up in the prefix cache",
                                       "vllm:prefix_cache_queries_total")
     prefix_cache_hits: int = _stat("of those, tokens served from the cache", "vllm:prefix_cache_hits_total")

@@ -48,6 +48,8 @@ PRESETS: dict[str, Preset] = {
                          description="Qwen2: qkv bias, GQA 4:1"),
     "tiny-qwen3": Preset("Qwen3Config", dict(_TINY, head_dim=32, tie_word_embeddings=True), residual_gain=4.0,
                          description="Qwen3: q/k RMSNorm, head_dim 32 != hidden/heads, tied embeddings"),
+    "tiny-mistral-swa": Preset("MistralConfig", dict(_TINY, sliding_window=12),
+                               description="Mistral, sliding-window attention over the last 12 tokens"),
     # the same seed and parameter order as tiny-llama, so its embedding, layer 0 and LM head are
     # tiny-llama's: a self-draft with the last layer dropped (speculative_config method "draft_model")
     "tiny-llama-draft": Preset("LlamaConfig", dict(_TINY, num_hidden_layers=1),

@@ -10,7 +10,12 @@ import pickle
 from typing import Sequence
 
 from engine_core.core.block_pool import BlockHash, BlockPool, KVCacheBlock
+from engine_core.core.sliding_window import num_blocks_out_of_window
 from engine_core.request import Request
+
+# vLLM's null block: the entry of a table slot whose block was freed (out of the sliding window). It belongs to no
+# pool and is never handed to the runner (whose row keeps the old id there, never read: kernels/window_attention.py).
+NULL_BLOCK = KVCacheBlock(-1)
 
 
 # seam: lab 00 (grader/seams.py)
@@ -39,9 +44,13 @@ class KVCacheManager:
     """Owns the GPU block pool, the CPU swap pool and every request's block tables."""
 
     def __init__(self, num_gpu_blocks: int, block_size: int, enable_caching: bool = False,
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, sliding_window: int | None = None) -> None:
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+        self.sliding_window = sliding_window
+        self.num_skipped_blocks: dict[str, int] = {}  # leading NULL_BLOCK entries of a table (sliding window)
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_gpu_blocks)
@@ -121,7 +130,11 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self.block_hashes(request, num_full)
-        self.block_pool.cache_full_blocks(self.req_to_blocks[rid][start:num_full], hashes[start:num_full])
+        blocks, hashes = self.req_to_blocks[rid][start:num_full], hashes[start:num_full]
+        if rid in self.num_skipped_blocks:  # freed slots (cached before they were freed) are not registered again
+            pairs = [(b, h) for b, h in zip(blocks, hashes) if b is not NULL_BLOCK]
+            blocks, hashes = [b for b, _ in pairs], [h for _, h in pairs]
+        self.block_pool.cache_full_blocks(blocks, hashes)
         self.num_cached_blocks[rid] = num_full
 
     # ---- allocation ----------------------------------------------------------------------
@@ -150,10 +163,33 @@ class KVCacheManager:
         table.extend(new_blocks)
         return new_blocks
 
+    def remove_skipped_blocks(self, request: Request, num_computed_tokens: int) -> int:
+        """Free the leading blocks of the request's table that no query from `num_computed_tokens` on can see
+        (`num_blocks_out_of_window`), putting NULL_BLOCK in their slots so positions keep their table index
+        (vLLM's SlidingWindowManager). Returns how many were freed; 0 without a sliding window. Their KV stays
+        cached (prefix caching): it is exact for its prefix, as windowed attention depends on the tokens alone."""
+        if self.sliding_window is None:
+            return 0
+        rid = request.request_id
+        table = self.req_to_blocks.get(rid)
+        if not table:
+            return 0
+        done = self.num_skipped_blocks.get(rid, 0)
+        n = min(num_blocks_out_of_window(num_computed_tokens, self.sliding_window, self.block_size), len(table))
+        if n <= done:
+            return 0
+        freed = table[done:n]
+        table[done:n] = [NULL_BLOCK] * (n - done)
+        self.num_skipped_blocks[rid] = n
+        self.block_pool.free_blocks(reversed(freed))
+        return n - done
+
     def free(self, request: Request) -> None:
         """Release the request's GPU and CPU blocks. The table is freed tail first, so the
         request's last blocks (least likely to be shared) are evicted before its prefix."""
         rid = request.request_id
+        if self.num_skipped_blocks.pop(rid, 0):
+            self.req_to_blocks[rid] = [b for b in self.req_to_blocks[rid] if b is not NULL_BLOCK]
         self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(rid, [])))
         self.cpu_block_pool.free_blocks(self.req_to_cpu_blocks.pop(rid, []))
         self.num_cached_blocks.pop(rid, None)
@@ -162,9 +198,11 @@ class KVCacheManager:
     def free_all(self) -> None:
         """Forget every request's blocks: all GPU and CPU blocks free, cached KV still cached. For
         recovery after a failed step, when a table or a ref count may be half-updated (not a seam)."""
-        self.block_pool.release_all(b for table in self.req_to_blocks.values() for b in reversed(table))
+        self.block_pool.release_all(b for table in self.req_to_blocks.values() for b in reversed(table)
+                                    if b is not NULL_BLOCK)
         self.cpu_block_pool.release_all()
-        for table in (self.req_to_blocks, self.req_to_cpu_blocks, self.num_cached_blocks, self.req_to_block_hashes):
+        for table in (self.req_to_blocks, self.req_to_cpu_blocks, self.num_cached_blocks, self.req_to_block_hashes,
+                      self.num_skipped_blocks):
             table.clear()
 
     # ---- swapping ------------------------------------------------------------------------
@@ -173,7 +211,9 @@ class KVCacheManager:
         return cdiv(request.num_computed_tokens, self.block_size)
 
     def can_swap_out(self, request: Request) -> bool:
-        return self.num_blocks_to_swap(request) <= self.cpu_block_pool.num_free_blocks
+        """Room in the CPU pool, and a table with no freed (NULL_BLOCK) slot: such a request is recomputed."""
+        return (self.num_blocks_to_swap(request) <= self.cpu_block_pool.num_free_blocks
+                and not self.num_skipped_blocks.get(request.request_id))
 
     # seam: lab 03 (grader/seams.py)
     def swap_out(self, request: Request) -> list[tuple[int, int]]:

@@ -30,7 +30,8 @@ class Scheduler:
     """Decides, each step, which tokens of which requests run, and which KV blocks move."""
 
     def __init__(self, resolved: ResolvedConfig, kv_cache_config: KVCacheConfig,
-                 cost_model: PreemptionCostModel) -> None:
+                 cost_model: PreemptionCostModel, sliding_window: int | None = None) -> None:
+        """`sliding_window`: the model's window where it matters (`LlamaArgs.window`): blocks out of it are freed."""
         self.config = resolved.engine  # the user's arguments (preemption_mode, long_prefill_token_threshold, ...)
         self.block_size = self.config.block_size
         self.max_model_len = resolved.max_model_len
@@ -40,7 +41,8 @@ class Scheduler:
         self.cost_model = cost_model
         self.kv_cache_manager = KVCacheManager(kv_cache_config.num_gpu_blocks, self.block_size,
                                                enable_caching=self.config.enable_prefix_caching,
-                                               num_cpu_blocks=kv_cache_config.num_cpu_blocks)
+                                               num_cpu_blocks=kv_cache_config.num_cpu_blocks,
+                                               sliding_window=sliding_window)
         self.requests: dict[str, Request] = {}
         # ordered by scheduling_policy: FCFS (recompute-preempted requests at the front) or (priority, arrival)
         self.waiting = create_request_queue(self.config.scheduling_policy)
@@ -104,11 +106,23 @@ class Scheduler:
         """The step's one message: the chunks and KV copies `_schedule_tokens` plans, plus the requests
         finished or aborted since the last step, which the runner forgets before running it. Running
         requests `in_flight` are left out of the plan (`_without_in_flight`)."""
+        if self.kv_cache_manager.sliding_window is not None:
+            self._remove_skipped_blocks()
         out = self._without_in_flight(self._schedule_tokens) if self.in_flight else self._schedule_tokens()
         if self.proposer is not None:
             self._schedule_drafts(out)
         out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         return out
+
+    def _remove_skipped_blocks(self) -> None:
+        """Free every running request's blocks that fell out of the sliding window (core/sliding_window.py),
+        before the plan, so the freed blocks can serve this step. Not for requests in flight: the step being
+        computed for them reads from its own first position."""
+        kvm = self.kv_cache_manager
+        for request in self.running:
+            if request.request_id not in self.in_flight:
+                self.counters.num_blocks_out_of_window += kvm.remove_skipped_blocks(request,
+                                                                                    request.num_computed_tokens)
 
     def _without_in_flight(self, plan: Callable[[], SchedulerOutput]) -> SchedulerOutput:
         """`plan()` with the running requests in flight hidden from it (vLLM's batch queue): their next

@@ -15,6 +15,7 @@ import torch
 
 import kernels
 from engine_core.models.lora import LoRABatch
+from kernels.window_attention import paged_attention_window
 
 
 @dataclass
@@ -38,6 +39,8 @@ class AttentionMetadata:
     # runner's policy, kernels.split_policy; the result does not depend on it)
     decode_num_splits: int = 1
     output_num_splits: int = 1
+    # the model's sliding window (kernels/window_attention.py, the torch backend only); None: full attention
+    sliding_window: int | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -125,12 +128,23 @@ class AttentionPlan:
         meta, ops = self.meta, self.ops
         if (not self.fused_decode_block or ops.backend != "cpu" or ops.rotary_embedding is None
                 or not meta.decode_only or meta.output_rows is not None or meta.kv_cache_dtype != "auto"
-                or meta.decode_num_splits != 1):
+                or meta.decode_num_splits != 1 or meta.sliding_window is not None):
             return None
         from kernels import cpu
         block = cpu.DecodeAttentionBlock(positions, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                          num_heads, num_kv_heads, head_dim)
         return block if block.applies else None
+
+    def attend_window(self, query: torch.Tensor, kv: LayerKV, scale: float, only_output_rows: bool) -> torch.Tensor:
+        """`attend` / `attend_output_rows` for a windowed model: each row sees its last `sliding_window` keys."""
+        meta, cache = self.meta, (kv.key_cache, kv.value_cache)
+        if not only_output_rows:
+            return paged_attention_window(query, *cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                          scale, meta.sliding_window, kv.k_scale, kv.v_scale)
+        rows = self.output_rows
+        one_each = torch.arange(rows.numel() + 1, dtype=torch.int32, device=query.device)
+        return paged_attention_window(query[rows], *cache, *self.output, one_each, scale, meta.sliding_window,
+                                      kv.k_scale, kv.v_scale)
 
     def attend_output_rows(self, query: torch.Tensor, kv: LayerKV, scale: float) -> torch.Tensor:
         """Only the emitting rows (`meta.output_rows`), in their order."""

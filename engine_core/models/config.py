@@ -97,11 +97,23 @@ class LlamaArgs:
             rope=_rope_params(c, source),
         )
 
-    def check_max_model_len(self, max_model_len: int) -> None:
-        """Sliding-window attention is not implemented: refuse a window that would matter."""
-        if self.sliding_window is not None and self.sliding_window < max_model_len:
-            raise ValueError(f"sliding_window={self.sliding_window} < max_model_len={max_model_len} is not supported "
-                             f"(full attention only); set max_model_len <= {self.sliding_window}")
+    def window(self, max_model_len: int) -> int | None:
+        """The sliding window that matters at `max_model_len` (None: every query sees its whole context)."""
+        return self.sliding_window if self.sliding_window is not None and self.sliding_window < max_model_len else None
+
+    def check_sliding_window(self, max_model_len: int, attention_backend: str, speculative_method: str | None) -> None:
+        """A window that matters runs on the `torch` backend's windowed attention (kernels/window_attention.py;
+        "auto" picks it); the cpu and triton kernels and a draft model attend to the whole context: refused."""
+        window = self.window(max_model_len)
+        if window is None:
+            return
+        if attention_backend not in ("auto", "torch"):
+            raise ValueError(f"attention_backend={attention_backend!r} cannot honour the model's sliding_window="
+                             f"{window} (its kernels attend to the whole context): use 'torch' or 'auto' (which "
+                             f"picks 'torch' for a windowed model), or max_model_len <= {window}")
+        if speculative_method == "draft_model":
+            raise ValueError(f"speculative_config method 'draft_model' is not supported with the model's "
+                             f"sliding_window={window} < max_model_len={max_model_len}: use method 'ngram'")
 
     def model_spec(self) -> ModelSpec:
         """The shape numbers the capacity model (lab 01) and the preemption cost model use."""
@@ -139,9 +151,18 @@ class LlamaArgs:
 
 
 def _sliding_window(f: "_Fields", arch: str) -> int | None:
-    """Mistral applies `sliding_window` when set; Qwen2/3 only with `use_sliding_window`."""
-    if arch.startswith("Qwen") and not f.flag("use_sliding_window"):
-        return None
+    """Mistral applies `sliding_window` to every layer when set; Qwen2/3 only with `use_sliding_window`, and
+    only to the layers from `max_window_layers` on (`layer_types`): a mix of full and windowed layers is refused."""
+    if arch.startswith("Qwen"):
+        if not f.flag("use_sliding_window"):
+            return None
+        num_layers = f.integer("num_hidden_layers")
+        first = f.integer("max_window_layers", 28, lo=0)
+        types = f.c.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
+                                          for i in range(num_layers)]
+        if any(t != "sliding_attention" for t in types):
+            raise ValueError(f"{f.source}: use_sliding_window with full-attention layers (layer_types / "
+                             f"max_window_layers={first} > 0) is not supported: every layer must be windowed")
     return f.integer("sliding_window", None, lo=0) or None
 
 

@@ -145,7 +145,10 @@ class Attention(nn.Module):
             kv_cache.observer(i, k, v)
         kv = kv_cache.layer(i)
         plan.write_kv(k, v, kv)
-        out = (plan.attend_output_rows if only_output_rows else plan.attend)(q, kv, self.scale)
+        if plan.meta.sliding_window is not None:
+            out = plan.attend_window(q, kv, self.scale, only_output_rows)
+        else:
+            out = (plan.attend_output_rows if only_output_rows else plan.attend)(q, kv, self.scale)
         return self.o_proj(out.reshape(-1, h * d), residual, lora and lora.rows(only_output_rows))
 
 

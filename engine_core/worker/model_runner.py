@@ -89,7 +89,14 @@ class ModelRunner:
                                       engine.kv_scales_per_head, model_config.path, args.num_layers, args.num_kv_heads)
         # the kernel backend, resolved once before the weights load ("torch", "cpu" or "triton"); each step's
         # ops come from kernels.kernel_ops on it
-        self.attention_backend = kernels.resolve_backend(engine.attention_backend, self.device)
+        # a model whose sliding window matters runs the torch backend's windowed attention (LlamaArgs.check_sliding_window)
+        self.sliding_window = args.window(config.max_model_len)
+        self.attention_backend = kernels.resolve_backend(
+            "torch" if self.sliding_window is not None else engine.attention_backend, self.device)
+        if engine.kv_cache_dtype == "int8" and self.attention_backend == "triton":
+            raise ValueError("kv_cache_dtype='int8' runs on the cpu and torch backends only (the Triton attention "
+                             "kernels read fp8 or model-dtype caches): use kv_cache_dtype='fp8' on a GPU, or "
+                             "attention_backend='torch'")
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else 0  # flash-decoding's split policy; 0: never split
         self.model: LlamaForCausalLM = load_model(model_config.path, model_config.args, config.dtype, config.device,
@@ -156,6 +163,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         model_input = build_model_input([chunk], [batch.add_chunk(chunk)], batch, self.block_size, self.device,
                                         self.config.engine.kv_cache_dtype, self.attention_backend)
+        model_input.attn_metadata.sliding_window = self.sliding_window
         hidden = self.model(model_input.input_ids, model_input.positions, scratch, model_input.attn_metadata)
         self.model.compute_logits(hidden)
         torch.cuda.synchronize(self.device)
@@ -181,7 +189,7 @@ class ModelRunner:
             self.kv_cache.observer = DynamicScales(self.kv_cache, engine.kv_scales_per_head)
         elif self.kv_amax is not None:
             self.kv_cache.set_scales(*self.kv_amax.scales(self.kv_cache.dtype, engine.kv_scales_per_head))
-        if self.device.type == "cuda" and not engine.enforce_eager:
+        if self.device.type == "cuda" and not engine.enforce_eager and self.sliding_window is None:
             self.cuda_graphs = DecodeGraphs(self.model, self.kv_cache, engine.max_num_seqs,
                                             cdiv(self.config.max_model_len, self.block_size), self.device,
                                             self.attention_backend)
@@ -278,6 +286,7 @@ class ModelRunner:
         `draft_probs`: a draft model's q per speculating request, None for n-gram drafts)."""
         batch = build_model_input(chunks, rows, self.input_batch, self.block_size, self.device,
                                   self.config.engine.kv_cache_dtype, self.attention_backend, spec)
+        batch.attn_metadata.sliding_window = self.sliding_window
         if self.num_sms:
             self._choose_num_splits(chunks, batch.attn_metadata)
         if self.lora is not None:

@@ -1,6 +1,9 @@
-"""num_blocks_out_of_window against cases worked by hand (window W: position p sees keys p - W + 1 .. p)."""
+"""num_blocks_out_of_window against cases worked by hand (window W: position p sees keys p - W + 1 .. p), and the
+manager's release of those blocks into null slots."""
 import pytest
+from grader.harness import make_request
 
+from engine_core.core.kv_cache_manager import NULL_BLOCK, KVCacheManager
 from engine_core.core.sliding_window import num_blocks_out_of_window
 
 
@@ -37,3 +40,31 @@ def test_matches_the_mask_token_by_token():
 def test_bad_arguments_name_the_parameter(args, name):
     with pytest.raises(ValueError, match=name):
         num_blocks_out_of_window(*args)
+
+
+def test_the_manager_frees_out_of_window_blocks_into_null_slots():
+    """window 8, blocks of 4: at 11 computed tokens block 0 goes; the table keeps its length; freeing again is a
+    no-op; the request's free releases each real block once; a table with null slots is not swapped."""
+    kvm = KVCacheManager(num_gpu_blocks=8, block_size=4, num_cpu_blocks=8, sliding_window=8)
+    req = make_request("a", 16)
+    kvm.allocate_slots(req, 16)
+    req.num_computed_tokens = 10
+    assert kvm.remove_skipped_blocks(req, 10) == 0 and kvm.num_free_blocks == 4
+    req.num_computed_tokens = 11
+    assert kvm.can_swap_out(req)
+    assert kvm.remove_skipped_blocks(req, 11) == 1
+    assert kvm.get_block_ids("a") == [-1, 1, 2, 3] and kvm.req_to_blocks["a"][0] is NULL_BLOCK
+    assert kvm.num_free_blocks == 5 and kvm.remove_skipped_blocks(req, 11) == 0
+    assert not kvm.can_swap_out(req)
+    assert kvm.remove_skipped_blocks(req, 16) == 1 and kvm.get_block_ids("a") == [-1, -1, 2, 3]
+    kvm.free(req)
+    assert kvm.num_free_blocks == 8 and all(b.ref_cnt == 0 for b in kvm.block_pool.blocks)
+
+
+def test_without_a_window_nothing_is_freed():
+    kvm = KVCacheManager(num_gpu_blocks=8, block_size=4)
+    req = make_request("a", 16)
+    kvm.allocate_slots(req, 16)
+    assert kvm.remove_skipped_blocks(req, 16) == 0 and kvm.get_block_ids("a") == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="sliding_window"):
+        KVCacheManager(num_gpu_blocks=8, block_size=4, sliding_window=0)

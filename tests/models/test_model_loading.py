@@ -61,12 +61,13 @@ def test_extra_families_match_hf(tmp_path, monkeypatch, name, config):
     assert _engine_greedy(tmp_path / name, PROMPTS, 6) == _hf_greedy(tmp_path / name, PROMPTS, 6)
 
 
-def test_mistral_sliding_window_smaller_than_max_model_len_is_refused(tmp_path):
+def test_a_sliding_window_on_kernels_without_one_is_refused(tmp_path):
+    """The window runs on the torch backend (tests/engine/test_sliding_window_engine.py); the C kernels are refused."""
     folder = _copy_preset("tiny-llama", tmp_path / "m")
     _edit_config(folder, architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=32)
-    with pytest.raises(ValueError, match="sliding_window=32 < max_model_len=2048"):
-        LLM(str(folder), num_gpu_blocks=8)
-    LLM(str(folder), num_gpu_blocks=8, max_model_len=32)  # the window never matters: fine
+    with pytest.raises(ValueError, match="attention_backend='cpu' cannot honour the model's sliding_window=32"):
+        LLM(str(folder), num_gpu_blocks=8, attention_backend="cpu")
+    LLM(str(folder), num_gpu_blocks=8, max_model_len=32, attention_backend="cpu")  # the window never matters: fine
 
 
 def test_sharded_checkpoint_gives_the_same_tokens(tmp_path):
