@@ -1,7 +1,12 @@
 """A parallel engine never hangs on a worker: a killed worker and a hung one each end the engine with an
 EngineDeadError naming the rank within the step timeout, and the other workers are stopped (psutil's
 view of this process's children, multiprocessing's shared resource tracker aside); an engine process
-killed outright (no finalizer runs) leaves no worker either."""
+killed outright (no finalizer runs) leaves no worker either.
+
+No assert reads the wall clock (a loaded machine stretches every step): a death must be seen through the
+worker's process sentinel, so its test sets a step timeout far beyond the test's own (a death found only
+by the timeout would fail by pytest-timeout, and with another message); a hung worker never returns within
+the test, so only the step timeout can end its call."""
 from __future__ import annotations
 
 import os
@@ -23,6 +28,7 @@ from parallel_helpers import child_processes
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parents[2]
 TP2 = dict(tensor_parallel_size=2, num_gpu_blocks=32)
+NEVER_S = 3600.0  # longer than this file's pytest timeout: a wait this long fails the test
 
 
 def sleep_on_rank_1(runner, seconds: float) -> None:
@@ -32,12 +38,11 @@ def sleep_on_rank_1(runner, seconds: float) -> None:
 
 def test_a_killed_worker_ends_the_engine_with_a_clear_error():
     llm = LLM("tiny-llama", **TP2)
+    llm.engine.executor.step_timeout_s = NEVER_S  # the sentinel, not the step timeout, must report the death
     victim = llm.engine.executor.procs[1]
     os.kill(victim.pid, signal.SIGKILL)
-    t0 = time.perf_counter()
     with pytest.raises(EngineDeadError, match=rf"worker 1 \(pid {victim.pid}\) died \(killed by SIGKILL\)"):
         llm.generate([[5, 6, 7]], use_tqdm=False)
-    assert time.perf_counter() - t0 < 10
     assert not child_processes()
     with pytest.raises(EngineDeadError, match="SIGKILL"):
         llm.generate([[5, 6, 7]], use_tqdm=False)
@@ -66,10 +71,8 @@ def test_a_hung_worker_times_out():
     llm = LLM("tiny-llama", **TP2)
     llm.engine.executor.collective_rpc(sleep_on_rank_1, 0.0)  # the workers import this module once
     llm.engine.executor.step_timeout_s = 2.0
-    t0 = time.perf_counter()
     with pytest.raises(EngineDeadError, match=r"no reply from worker\(s\) \[1\] within 2 s"):
-        llm.engine.executor.collective_rpc(sleep_on_rank_1, 60.0)
-    assert time.perf_counter() - t0 < 10
+        llm.engine.executor.collective_rpc(sleep_on_rank_1, NEVER_S)  # only the step timeout can end this call
     assert not child_processes()
 
 

@@ -18,12 +18,13 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def hang_execute_on_last_stage(runner) -> None:
-    """Make the last stage's next forwards sleep (the workers run it through collective_rpc)."""
+    """Make the last stage's next forwards hang past the test's own timeout (the workers run it through
+    collective_rpc): only the engine's step timeout can end the steps waiting on them."""
     if runner.parallel.pp.is_last_rank:
         forward = runner.execute_model
 
         def slow(scheduler_output):
-            time.sleep(60)
+            time.sleep(3600)
             return forward(scheduler_output)
         runner.execute_model = slow
 
@@ -79,11 +80,9 @@ def test_a_hung_stage_with_batches_in_flight_times_out():
     engine.executor.step_timeout_s = 2.0
     for i, p in enumerate(stress_prompts(engine.vocab_size)):
         engine.add_request(f"h{i}", p)
-    t0 = time.perf_counter()
     # stage 0 waits too: its send of the hidden state returns once stage 1 receives it (gloo)
     with pytest.raises(EngineDeadError, match=r"execute_model: no reply from worker\(s\) \[(0, )?1\] within 2 s"):
         for _ in range(10):
             engine.step()
     assert engine.stats()["max_batches_in_flight"] == 2  # the second batch was sent before the first timed out
-    assert time.perf_counter() - t0 < 10
     assert not child_processes()
