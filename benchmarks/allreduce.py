@@ -6,7 +6,7 @@ for each size rank 0 keeps the median of `--repeats` timed calls (after warm-up 
 the collective itself, both ranks entering together after a barrier). A least-squares line through
 (2 (p - 1) / p x bytes, seconds) gives alpha (the intercept: the fixed cost of one all-reduce) and beta (the
 slope: seconds per byte a rank sends; its inverse is the bus bandwidth). The last column is lab 01's model with
-those two numbers, computed by `engine_core.memory.allreduce_seconds` itself (one layer of a model whose
+those two numbers, computed by `engine_core.capacity_planner.allreduce_seconds` itself (one layer of a model whose
 hidden size is the message: that function counts two all-reduces per layer), so the table shows where one line
 describes the collective and where it does not (small messages sit on alpha; on a shared 2-core machine the
 points scatter). Loopback is no network: these alphas and betas are this machine's, not a NIC's.
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine_core import memory
+from engine_core import capacity_planner, memory
 
 DEFAULT_SIZES = tuple(4 * 4 ** k for k in range(12))  # 4 B .. 16 MiB
 NCCL_SIZES = tuple(4 * 4 ** k for k in range(14))  # 4 B .. 256 MiB: NVLink needs big messages to show its rate
@@ -43,10 +43,10 @@ def fit_alpha_beta(world_size: int, sizes: list[int], seconds: list[float]) -> t
 
 def model_seconds(world_size: int, num_bytes: int, alpha: float, beta: float) -> float:
     """One fp32 all-reduce of `num_bytes` by lab 01's `allreduce_seconds` with this alpha and 1 / beta as the link."""
-    link = dataclasses.replace(memory.GPUS["H100-80GB"], allreduce_latency_s=alpha, nvlink_bytes_per_s=1 / beta)
+    link = dataclasses.replace(capacity_planner.GPUS["H100-80GB"], allreduce_latency_s=alpha, nvlink_bytes_per_s=1 / beta)
     spec = memory.ModelSpec(num_layers=1, hidden_size=max(1, num_bytes // 4), num_attention_heads=1, num_kv_heads=1,
                             head_dim=1, intermediate_size=1, vocab_size=1)
-    return memory.allreduce_seconds(spec, torch.float32, 1, link, world_size) / 2  # two per layer
+    return capacity_planner.allreduce_seconds(spec, torch.float32, 1, link, world_size) / 2  # two per layer
 
 
 def _rank(rank: int, world_size: int, port: int, sizes: tuple[int, ...], repeats: int, warmup: int, queue,
@@ -131,8 +131,8 @@ def main(argv: list[str] | None = None) -> None:
     for num_bytes, t in zip(sizes, medians):
         print(f"{num_bytes:>10} {1e6 * t:>12.1f} {1e6 * model_seconds(args.world_size, num_bytes, alpha, beta):>14.1f}")
     print(f"fit: alpha = {1e6 * alpha:.1f} us per all-reduce, bus bandwidth 1 / beta = {1 / beta / 1e9:.2f} GB/s "
-          f"(lab 01's H100 NVLink figures: {1e6 * memory.GPUS['H100-80GB'].allreduce_latency_s:.0f} us, "
-          f"{memory.GPUS['H100-80GB'].nvlink_bytes_per_s / 1e9:.0f} GB/s)")
+          f"(lab 01's H100 NVLink figures: {1e6 * capacity_planner.GPUS['H100-80GB'].allreduce_latency_s:.0f} us, "
+          f"{capacity_planner.GPUS['H100-80GB'].nvlink_bytes_per_s / 1e9:.0f} GB/s)")
     if args.min_bandwidth_gbs is not None:
         ok = 1 / beta / 1e9 >= args.min_bandwidth_gbs
         print(f"acceptance: bus bandwidth >= {args.min_bandwidth_gbs:g} GB/s: {'PASS' if ok else 'FAIL'}")

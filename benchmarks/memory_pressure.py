@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from engine_core import memory
+from engine_core import capacity_planner, memory
 from engine_core.entrypoints.llm import LLM
 from engine_core.models.loader import read_config
 from engine_core.presets import resolve_model
@@ -105,7 +105,7 @@ def report_cost_model(spec_small: memory.ModelSpec) -> None:
     print(f"this CPU: small-llama prefill {flops / 1e9:.1f} GFLOP/s (memory.DEFAULT_RATES['cpu']: "
           f"{memory.DEFAULT_RATES['cpu'][0] / 1e9:.0f}), copy {bw / 1e9:.1f} GB/s "
           f"(default {memory.DEFAULT_RATES['cpu'][1] / 1e9:.0f})")
-    h100 = memory.GPUS["H100-80GB"]
+    h100 = capacity_planner.GPUS["H100-80GB"]
     cases = [("small-llama fp32, this CPU (measured)", spec_small, "fp32", flops, bw),
              ("small-llama fp32, CPU defaults", spec_small, "fp32", *memory.DEFAULT_RATES["cpu"]),
              ("Llama-3-8B bf16, H100 PCIe Gen5", LLAMA3_8B, "bf16", *memory.DEFAULT_RATES["cuda"]),

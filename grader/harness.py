@@ -37,7 +37,7 @@ import torch
 from hypothesis import HealthCheck, Phase, settings
 from torch.overrides import TorchFunctionMode
 
-from engine_core import memory
+from engine_core import capacity_planner, memory
 from engine_core.config import EngineConfig, KVCacheConfig, ResolvedConfig
 from engine_core.core.block_pool import BlockHash, BlockPool, KVCacheBlock
 from engine_core.core.cost_model import PreemptionCostModel
@@ -52,7 +52,8 @@ from engine_core.entrypoints.router.policies import HashRing, ReplicaLoad
 from engine_core.lora.presets import adapter_path
 from engine_core.lora.request import LoRARequest
 from engine_core.lora.slots import LoRASlotPool
-from engine_core.memory import GPUS, ModelSpec
+from engine_core.memory import ModelSpec
+from engine_core.capacity_planner import GPUS
 from engine_core.models.linear import Linear
 from engine_core.models.lora import LoRAMapping, LoRAStack
 from engine_core.models.quantization import Int8LinearMethod, RTNLinearMethod
@@ -71,7 +72,7 @@ __all__ = ["save_kv_amax", "GPUS", "LLM", "BlockHash", "BlockPool", "EngineConfi
            "ScheduledChunk", "Scheduler", "SchedulerOutput", "TINY_SPEC", "held_blocks", "make_engine",
            # speculative decoding (lab 10)
            "fake_continuation", "verify_greedy",
-           "make_request", "make_scheduler", "memory", "reference_output", "run_engine", "run_to_completion", "step",
+           "make_request", "make_scheduler", "capacity_planner", "memory", "reference_output", "run_engine", "run_to_completion", "step",
            # multi-LoRA (lab 09)
            "LoRAMapping", "LoRARequest", "LoRASlotPool", "LoRAStack", "adapter_path", "preset_path",
            # property tests; the kernel labs (06, 07, 09)

@@ -20,6 +20,7 @@ BLOCK_POOL_MODULE = "engine_core.core.block_pool"
 KV_CACHE_MANAGER_MODULE = "engine_core.core.kv_cache_manager"
 SCHEDULER_MODULE = "engine_core.core.scheduler"
 MEMORY = "engine_core.memory"
+CAPACITY_PLANNER = "engine_core.capacity_planner"
 DECODE_ATTENTION = "kernels.triton.decode_attention"
 KERNELS_REFERENCE = "kernels.reference"
 BLOCK_POOL = f"{BLOCK_POOL_MODULE}.BlockPool"
@@ -98,12 +99,12 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB01, MEMORY, "weight_bytes", "weight_bytes",
          helpers=(f"{MEMORY}.num_params", f"{MEMORY}._layer_params")),
     Seam(LAB01, MEMORY, "activation_bytes", "activation_bytes"),
-    Seam(LAB01, MEMORY, "max_concurrent_requests", "max_concurrent_requests"),
-    Seam(LAB01, MEMORY, "allreduce_seconds", "allreduce_seconds"),
-    Seam(LAB01, MEMORY, "decode_step_lower_bound", "decode_step_lower_bound"),
-    Seam(LAB01, MEMORY, "prefill_lower_bound", "prefill_lower_bound"),
-    Seam(LAB01, MEMORY, "capacity_plan", "capacity_plan",
-         helpers=(f"{MEMORY}._replica_plan", f"{MEMORY}.replica_estimates")),
+    Seam(LAB01, CAPACITY_PLANNER, "max_concurrent_requests", "max_concurrent_requests"),
+    Seam(LAB01, CAPACITY_PLANNER, "allreduce_seconds", "allreduce_seconds"),
+    Seam(LAB01, CAPACITY_PLANNER, "decode_step_lower_bound", "decode_step_lower_bound"),
+    Seam(LAB01, CAPACITY_PLANNER, "prefill_lower_bound", "prefill_lower_bound"),
+    Seam(LAB01, CAPACITY_PLANNER, "capacity_plan", "capacity_plan",
+         helpers=(f"{CAPACITY_PLANNER}._replica_plan", f"{CAPACITY_PLANNER}.replica_estimates")),
 
     Seam(LAB02, BLOCK_POOL, "get_new_blocks", "get_new_blocks",
          _state(BLOCK_POOL, "free_queue", "_evict") + _state(BLOCK, "ref_cnt")),

@@ -44,7 +44,8 @@ BUG_TEST_TIMEOUT_S = 20  # a planted bug that loops forever fails its test inste
 # (pytest arguments: files or node ids, and a -k filter leaving out what runs whole models).
 ENGINE_TESTS = {
     "00_warmup": ("tests/core/test_kv_cache_manager.py",),
-    "01_kv_cache_math": ("tests/engine/test_memory.py", "-k", "not matches_transformers"),
+    "01_kv_cache_math": ("tests/engine/test_memory.py", "tests/engine/test_capacity_planner.py", "-k",
+                         "not matches_transformers"),
     "02_paged_kv_blocks": ("tests/core/test_block_pool.py", "tests/core/test_kv_cache_manager.py"),
     "03_preemption": ("tests/core/test_preemption.py", "-k", "not test_engine_"),
     "04_chunked_prefill": ("tests/core/test_scheduler.py",),

@@ -84,6 +84,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("kernels",),  # the ops library: imports nothing of the engine
     ("engine_core.validation", "engine_core.prompts", "engine_core.interrupts", "engine_core.guard",
      "engine_core.request", "engine_core.outputs", "engine_core.metrics", "engine_core.memory",
+     "engine_core.capacity_planner",  # lab 01's sizing questions, on memory's bytes and FLOPs
      "engine_core.presets", "engine_core.presets_real", "engine_core.cache", "engine_core.config",
      "engine_core.exceptions", "engine_core.gguf_file",
      "engine_core.spec_decode",  # the n-gram proposer: token lists in, token lists out

@@ -1,4 +1,4 @@
-"""Official tests of lab 01_kv_cache_math: the capacity model of `engine_core.memory`.
+"""Official tests of lab 01_kv_cache_math: the capacity model of `engine_core.memory` and `engine_core.capacity_planner`.
 
 Expected values are hand arithmetic on public config.json values, written out here in the
 expected arguments, never the solution's code; the capacity-plan tests search every TP degree
@@ -18,7 +18,7 @@ import math
 
 import pytest
 
-from grader.harness import GPUS, make_engine, memory
+from grader.harness import GPUS, capacity_planner, make_engine, memory
 from grader.observe import expect_close, expect_equal, expect_prediction, expect_raises
 from grader.plug import plug
 
@@ -409,8 +409,8 @@ def _model_at(name, dtype, tp, batch, prompt, output, gpu):
     """This lab's replica model, from the engine's bounds (outside any plug): (TTFT, TPOT, requests/s,
     bytes per GPU)."""
     config = CONFIGS[name]
-    prefill = memory.prefill_lower_bound(config, dtype, prompt, gpu, tp)
-    tpot = memory.decode_step_lower_bound(config, dtype, batch, prompt + output // 2, gpu, tp) + batch / output * prefill
+    prefill = capacity_planner.prefill_lower_bound(config, dtype, prompt, gpu, tp)
+    tpot = capacity_planner.decode_step_lower_bound(config, dtype, batch, prompt + output // 2, gpu, tp) + batch / output * prefill
     kv = KV_ELEMENTS[name] * memory.dtype_bytes(dtype) * max(1, 8 // tp) // 8  # all four models have 8 KV heads
     per_gpu = PARAMS[name] * memory.dtype_bytes(dtype) / tp + batch * math.ceil((prompt + output) / 16) * 16 * kv
     return prefill + tpot, tpot, batch / (output * tpot), per_gpu

@@ -18,7 +18,7 @@ import functools
 import pytest
 import torch
 
-from grader.harness import (TINY_SPEC, KVCache, ModelSpec, RequestStatus, SchedulerOutput, build_manager,
+from grader.harness import (GPUS, TINY_SPEC, KVCache, ModelSpec, RequestStatus, SchedulerOutput, build_manager,
                             make_request, make_scheduler, memory, run_engine)
 from grader.observe import expect_equal, expect_prediction, expect_raises
 from grader.plug import plug
@@ -293,7 +293,7 @@ def crossover_tokens(tp=2, batch=64, context=2000) -> int:
     """The smallest n for which swapping n tokens of Llama-2-70B fp16 out and back over one H100's PCIe Gen5
     link costs less than adding them to a decode step of `batch` requests at `context` tokens (per GPU,
     roofline: max(bytes / HBM bandwidth, FLOPs / peak bf16))."""
-    h100 = memory.GPUS["H100-80GB"]
+    h100 = GPUS["H100-80GB"]
     kv_per_gpu = memory.kv_cache_bytes_per_token(LLAMA2_70B, "fp16") / tp
     weights = memory.weight_bytes(LLAMA2_70B, "fp16") / tp
 

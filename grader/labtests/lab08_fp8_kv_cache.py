@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 
-from grader.harness import KVAmax, memory, run_engine, save_kv_amax
+from grader.harness import KVAmax, capacity_planner, memory, run_engine, save_kv_amax
 from grader.observe import expect_close, expect_equal, expect_prediction, expect_raises
 from grader.plug import plug
 
@@ -389,7 +389,7 @@ def test_kv_capacity_matches_lab_01(student):
     """With one dtype for weights and KV it is lab 01's max_concurrent_requests."""
     cases = [(H100, 0.9, 2048, "bf16", 16), (40e9, 0.8, 300, "fp32", 16), (H100, 0.95, 8192, "bf16", 1)]
     got = [student.kv_capacity(g, u, LLAMA3_8B, n, d, d, block_size=b) for g, u, n, d, b in cases]
-    expect_equal(got, [memory.max_concurrent_requests(g, u, LLAMA3_8B, n, d, block_size=b) for g, u, n, d, b in cases],
+    expect_equal(got, [capacity_planner.max_concurrent_requests(g, u, LLAMA3_8B, n, d, block_size=b) for g, u, n, d, b in cases],
                  "kv_capacity with weight_dtype == kv_dtype for (H100, 0.9, 2048, bf16, blocks of 16), "
                  "(40e9, 0.8, 300, fp32, 16), (H100, 0.95, 8192, bf16, 1): lab 01's max_concurrent_requests")
 

@@ -39,7 +39,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Per layer, rank 16, every projection: 16 * ((4096 + 4096) [q] + 2 * (4096 + 1024) [k, v] + (4096 + 4096) [o]
 # + 3 * (4096 + 14336) [gate, up, down]) = 16 * 81920 = 1,310,720 parameters; x 32 layers x 2 bytes.
 LLAMA3_8B_RANK16_BYTES = 16 * 81920 * 32 * 2  # 83,886,080 bytes = 80 MiB
-# H100 SXM (engine_core.memory.GPUS): HBM3 3.35 TB/s, PCIe Gen5 x16 64 GB/s per direction; Llama-3-8B's
+# H100 SXM (engine_core.capacity_planner.GPUS): HBM3 3.35 TB/s, PCIe Gen5 x16 64 GB/s per direction; Llama-3-8B's
 # 8,030,261,248 parameters in bf16 (lab 01).
 PCIE_BYTES_PER_S, HBM_BYTES_PER_S, LLAMA3_8B_WEIGHT_BYTES = 64e9, 3.35e12, 16_060_522_496
 

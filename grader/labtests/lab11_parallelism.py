@@ -10,7 +10,7 @@ LAB)`. A TP group is simulated in one process by `SimulatedGroup`: the ranks run
 `dist.all_reduce` does), so the learner's code runs unchanged and the test sees every collective. The
 end-to-end test starts the real two-process engine (gloo, fp32) with the learner's functions plugged in
 its workers (grader/worker_plug.py). Expected values come from float64 algebra written here, from
-`engine_core.memory` (lab 01's models, called outside any plug; no lab 11 seam is in them), from hand
+`engine_core.capacity_planner` (lab 01's models, called outside any plug; no lab 11 seam is in them), from hand
 arithmetic in the docstrings, or from the one-process engine run outside the plug.
 """
 import dataclasses
@@ -19,7 +19,7 @@ import functools
 import pytest
 import torch
 
-from engine_core import LLM, SamplingParams, memory
+from engine_core import LLM, SamplingParams, capacity_planner, memory
 from engine_core.distributed import parallel_state
 from engine_core.distributed.parallel_state import GroupCoordinator, ParallelContext
 from engine_core.models.config import ModelConfig
@@ -39,13 +39,13 @@ LAB = "11_parallelism"
 MODEL_175B = memory.ModelSpec(num_layers=96, hidden_size=12288, num_attention_heads=96, num_kv_heads=96,
                               head_dim=128, intermediate_size=32768, vocab_size=50257)
 BATCH, CONTEXT = 8, 2048
-H100 = memory.GPUS["H100-80GB"]
+H100 = capacity_planner.GPUS["H100-80GB"]
 ETHERNET = dataclasses.replace(H100, nvlink_bytes_per_s=100e9 / 8, allreduce_latency_s=30e-6)
 INFINIBAND = dataclasses.replace(H100, nvlink_bytes_per_s=400e9 / 8, allreduce_latency_s=10e-6)
 
 
 def _step_ms(gpu, tp):
-    return 1e3 * memory.decode_step_lower_bound(MODEL_175B, "bf16", BATCH, CONTEXT, gpu, tp)
+    return 1e3 * capacity_planner.decode_step_lower_bound(MODEL_175B, "bf16", BATCH, CONTEXT, gpu, tp)
 
 
 def _send_ms():

@@ -64,7 +64,7 @@ def test_predicted_w4a16_speedups(student):
 def test_predicted_70b_fp8_on_a100(student):
     """0.9 x 81,920 MiB = 77,309,411,328 bytes minus 68,976,648,192 bytes of FP8 weights: 8,332,763,136 bytes of
     KV; at 327,680 bytes per bf16 token (2 x 80 layers x 8 KV heads x 128 x 2) that is 25,429 tokens: 6
-    requests of 4,096. The A100 has no FP8 tensor cores (memory.GPUS's fp8_flops is None).
+    requests of 4,096. The A100 has no FP8 tensor cores (capacity_planner.GPUS's fp8_flops is None).
 
     The bytes within 1% (rounding the given figures); the count exact: GB for GiB (80e9: 3.0e9 bytes, 2
     requests), fp8 KV (12), fp16 weights (negative) all miss it."""

@@ -700,7 +700,7 @@ def test_oom_hunt(student):
 # NVIDIA H100 datasheet (SXM5 80 GB HBM3, 3.35 TB/s; 989 TFLOP/s bf16, 1,979 fp8, dense; NVLink4 900 GB/s both
 # directions); NVIDIA H200 datasheet (141 GB HBM3e, 4.8 TB/s); PCI-SIG (Gen4 x16 16 GT/s x 16 lanes, about 32 GB/s
 # per direction; Gen5 about 64 GB/s); NVIDIA Quantum-2 (InfiniBand NDR 400 Gb/s = 50 GB/s per port) against
-# 100 GbE (12.5 GB/s). Ridge point: peak FLOP/s / HBM bytes/s. engine_core.memory.GPUS holds the same figures.
+# 100 GbE (12.5 GB/s). Ridge point: peak FLOP/s / HBM bytes/s. engine_core.capacity_planner.GPUS holds the same figures.
 HARDWARE = {
     "a100_hbm_bytes": 80e9, "a100_hbm_bytes_per_s": 2.039e12, "h100_hbm_bytes": 80e9,
     "h100_hbm_bytes_per_s": 3.35e12, "h200_hbm_bytes": 141e9, "h200_hbm_bytes_per_s": 4.8e12,

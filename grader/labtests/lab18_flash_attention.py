@@ -98,7 +98,7 @@ def test_predicted_causal_prefill_flops(student):
                  "(32768, 128, 32)")
 
 
-# The datasheet figures of lab 01 (engine_core.memory.GPUS): A100 SXM 80 GB 312 TFLOP/s bf16 dense, 2.039 TB/s;
+# The datasheet figures of lab 01 (engine_core.capacity_planner.GPUS): A100 SXM 80 GB 312 TFLOP/s bf16 dense, 2.039 TB/s;
 # H100 SXM 989 TFLOP/s, 3.35 TB/s. Ridge points 153 and 295 FLOPs per byte.
 PEAKS = {"A100-80GB": (312e12, 2.039e12), "H100-80GB": (989e12, 3.35e12)}
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from cpu_hog import cpu_hog
 
 from engine_core import LLM, SamplingParams
-from engine_core.memory import GPUS, ModelSpec, num_params
+from engine_core.capacity_planner import GPUS
+from engine_core.memory import ModelSpec, num_params
 
 LLAMA3_8B = ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_heads=8, head_dim=128,
                       intermediate_size=14336, vocab_size=128256)
