@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from engine_core.validation import SEED_RANGE, check_bool, check_choice, check_int, check_real, fail
-from kernels.fp8 import KV_CACHE_DTYPES, fp8_dtype
+from kernels.fp8 import KV_CACHE_DTYPES, kv_storage_dtype
 
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's names (engine_core/core/request_queue.py)
@@ -214,7 +214,8 @@ class EngineConfig:
     # Cost-model rates for choose_preemption_mode; None = documented default of the device.
     prefill_flops_per_s: float | None = None
     swap_bandwidth_bytes_per_s: float | None = None
-    # fp8 KV cache (docs/fp8_kv_cache.md): "fp8" (= "fp8_e4m3") or "fp8_e5m2". Scales: dynamic from the first
+    # fp8 KV cache (docs/fp8_kv_cache.md): "fp8" (= "fp8_e4m3") or "fp8_e5m2", or symmetric "int8" (the CPU
+    # backends only; the Triton kernels refuse it before the weights load). Scales: dynamic from the first
     # batch (calculate_kv_scales), a calibration file (kv_cache_scales, from python -m engine_core.calibrate),
     # else the checkpoint's k_scale/v_scale, else 1.0; per KV head with kv_scales_per_head.
     kv_cache_dtype: str = "auto"
@@ -352,7 +353,7 @@ class EngineConfig:
         if self.kv_cache_dtype == "auto":
             for name in ("calculate_kv_scales", "kv_cache_scales", "kv_scales_per_head"):
                 _need(getattr(self, name) in (False, None), name,
-                      f"unset with kv_cache_dtype='auto' (scales only apply to an fp8 cache: kv_cache_dtype one of "
+                      f"unset with kv_cache_dtype='auto' (scales only apply to an fp8 or int8 cache: kv_cache_dtype one of "
                       f"{KV_CACHE_DTYPES[1:]})", getattr(self, name))
 
     @classmethod
@@ -388,7 +389,7 @@ class ResolvedConfig:
     engine: EngineConfig  # the user's arguments, as given
     device: torch.device
     dtype: torch.dtype  # weights and activations
-    kv_cache_dtype: torch.dtype  # KV storage: the model dtype, float8_e4m3fn or float8_e5m2
+    kv_cache_dtype: torch.dtype  # KV storage: the model dtype, float8_e4m3fn, float8_e5m2 or int8
     max_model_len: int
     max_num_batched_tokens: int  # without chunked prefill, raised to max_model_len (any prompt must fit one step)
 
@@ -419,7 +420,7 @@ class ResolvedConfig:
             max_model_len: int) -> "ResolvedConfig":
         budget = config.max_num_batched_tokens
         return cls(engine=config, device=device, dtype=dtype,
-                   kv_cache_dtype=fp8_dtype(config.kv_cache_dtype) or dtype,
+                   kv_cache_dtype=kv_storage_dtype(config.kv_cache_dtype) or dtype,
                    max_model_len=max_model_len,
                    max_num_batched_tokens=budget if config.enable_chunked_prefill else max(budget, max_model_len))
 

@@ -19,20 +19,30 @@ import torch
 
 FP8_FORMATS: dict[str, torch.dtype] = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                                        "fp8_e5m2": torch.float8_e5m2}
-KV_CACHE_DTYPES = ("auto", *FP8_FORMATS)
+KV_CACHE_DTYPES = ("auto", *FP8_FORMATS, "int8")  # "int8": symmetric int8 with the same scales (kernels.int8_kv)
 
 
 def fp8_dtype(kv_cache_dtype: str) -> torch.dtype | None:
-    """The storage dtype `kv_cache_dtype` names: None for "auto" (the model's dtype)."""
-    if kv_cache_dtype == "auto":
+    """The fp8 format `kv_cache_dtype` names: None for "auto" (the model's dtype) and "int8" (not fp8)."""
+    if kv_cache_dtype in ("auto", "int8"):
         return None
     if kv_cache_dtype not in FP8_FORMATS:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     return FP8_FORMATS[kv_cache_dtype]
 
 
+def kv_storage_dtype(kv_cache_dtype: str) -> torch.dtype | None:
+    """The quantized dtype a KV cache of `kv_cache_dtype` stores: an fp8 format, torch.int8, or None for "auto"."""
+    return torch.int8 if kv_cache_dtype == "int8" else fp8_dtype(kv_cache_dtype)
+
+
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_quantized_kv(dtype: torch.dtype) -> bool:
+    """An fp8 or int8 cache: stored as value / scale, read as code * scale."""
+    return is_fp8(dtype) or dtype == torch.int8
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -56,10 +66,10 @@ def fp8_conversion(device: torch.device) -> str:
 
 
 def cache_format(kv_cache_dtype: str, cache: torch.Tensor) -> torch.dtype | None:
-    """The fp8 format a write must quantize to (None: a plain copy). The cache's dtype decides;
-    a `kv_cache_dtype` naming a different format is a caller bug, reported here."""
-    named = fp8_dtype(kv_cache_dtype)
-    stored = cache.dtype if is_fp8(cache.dtype) else None
+    """The format a write must quantize to (an fp8 dtype, torch.int8, or None: a plain copy). The cache's dtype
+    decides; a `kv_cache_dtype` naming a different format is a caller bug, reported here."""
+    named = kv_storage_dtype(kv_cache_dtype)
+    stored = cache.dtype if is_quantized_kv(cache.dtype) else None
     if named is not None and named != stored:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs a {named} cache, got a {cache.dtype} cache")
     return stored

@@ -3,8 +3,9 @@ kernel is tested against them.
 
 KV cache per layer: `[num_blocks, block_size, num_kv_heads, head_dim]` for K and for V;
 token slot = block_id * block_size + offset; slot -1 means "skip this row".
-fp8 caches (`float8_e4m3fn` or `float8_e5m2`) store value / scale, saturated; reads multiply the
-scale back (`kernels.fp8`). A scale is a float, a 0-dim tensor or one value per KV head `[H_kv]`.
+fp8 caches (`float8_e4m3fn` or `float8_e5m2`) and int8 caches store value / scale, saturated (int8 rounded to
+nearest); reads multiply the scale back (`kernels.fp8`, `kernels.int8_kv`). A scale is a float, a 0-dim tensor or
+one value per KV head `[H_kv]`.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.fp8 import cache_format, dequantize_fp8, is_fp8, quantize_fp8
+from kernels.int8_kv import dequantize_int8, quantize_int8
 
 DECODE_GROUP = 8  # sequences per padded group in paged_attention_decode
 
@@ -25,7 +27,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     k, v = key[keep], value[keep]
-    if fmt is not None:
+    if fmt == torch.int8:
+        k, v = quantize_int8(k, k_scale), quantize_int8(v, v_scale)
+    elif fmt is not None:
         k, v = quantize_fp8(k, k_scale, fmt), quantize_fp8(v, v_scale, fmt)
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     key_cache.view(-1, num_kv_heads, head_dim)[slots] = k.to(key_cache.dtype)
@@ -39,6 +43,8 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, scale: float 
     num_seqs, width = block_tables.shape
     ids = block_tables.reshape(-1).long().clamp(min=0)  # padding past a sequence's blocks (-1 or junk) is masked later
     x = cache.index_select(0, ids).view(num_seqs, width * cache.shape[1], *cache.shape[2:])
+    if cache.dtype == torch.int8:
+        return dequantize_int8(x, scale, torch.float32)
     return dequantize_fp8(x, scale, torch.float32) if is_fp8(cache.dtype) else x.float()
 
 

@@ -2,7 +2,7 @@
 
 Slot `s` of a layer is `cache.view(-1, num_kv_heads, head_dim)[s]`, i.e. block `s // block_size`,
 offset `s % block_size` (the kernel contract, docs/kernel_contract.md). The device cache is in the model dtype, or in
-an fp8 format (`kv_cache_dtype` "fp8"/"fp8_e4m3" or "fp8_e5m2") with one K and one V scale per layer: fp32
+an fp8 format (`kv_cache_dtype` "fp8"/"fp8_e4m3" or "fp8_e5m2") or int8 ("int8") with one K and one V scale per layer: fp32
 tensors of shape `[]`, or `[num_kv_heads]` with per-head scales, updated in place (CUDA graphs read them
 where they are). The CPU swap pool has the same layout; block copies are batched: one indexed copy per
 layer and direction, fp8 blocks moved as bytes.
@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from engine_core.models.attention import LayerKV
-from kernels.fp8 import fp8_dtype, is_fp8
+from kernels.fp8 import is_fp8, is_quantized_kv, kv_storage_dtype
 
 # Called by attention with each layer's new K and V `[num_tokens, num_kv_heads, head_dim]` before they
 # are written: how dynamic scales and calibration see the values (engine_core/worker/kv_scales.py).
@@ -39,9 +39,9 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device, kv_cache_dtype: str = "auto", num_cpu_blocks: int = 0,
                  per_head_scales: bool = False) -> None:
         self.kv_cache_dtype = kv_cache_dtype
-        self.dtype = fp8_dtype(kv_cache_dtype) or dtype
-        if per_head_scales and not is_fp8(self.dtype):
-            raise ValueError(f"per-head scales need an fp8 kv_cache_dtype, got {kv_cache_dtype!r}")
+        self.dtype = kv_storage_dtype(kv_cache_dtype) or dtype
+        if per_head_scales and not is_quantized_kv(self.dtype):
+            raise ValueError(f"per-head scales need an fp8 or int8 kv_cache_dtype, got {kv_cache_dtype!r}")
         self.block_size = block_size
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         cpu_shape = (num_cpu_blocks, block_size, num_kv_heads, head_dim)

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from engine_core.models.loader import CheckpointReader
-from kernels.fp8 import fp8_dtype, fp8_max, scale_from_amax
+from kernels.fp8 import fp8_max, kv_storage_dtype
+from kernels.int8_kv import kv_scale_from_amax
 
 FILE_FORMAT = "inference-labs.kv_amax"
 CHECKPOINT_FORMAT = torch.float8_e4m3fn  # what FP8 checkpoints' k_scale / v_scale were computed for
@@ -50,10 +51,10 @@ class KVAmax:
 
     # seam: lab 08 (grader/seams.py)
     def scales(self, dtype: torch.dtype, per_head: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per layer, the K and V scales for an fp8 `dtype` cache: shape `[num_kv_heads]` if `per_head`,
+        """Per layer, the K and V scales for an fp8 or int8 `dtype` cache: shape `[num_kv_heads]` if `per_head`,
         else `[]` (the layer's largest value over its heads). A per-tensor source gives `[1]` rows."""
         k, v = (x if per_head else x.amax(dim=1) for x in (self.key, self.value))
-        return list(scale_from_amax(k, dtype)), list(scale_from_amax(v, dtype))
+        return list(kv_scale_from_amax(k, dtype)), list(kv_scale_from_amax(v, dtype))
 
 
 # seam: lab 08 (grader/seams.py)
@@ -73,7 +74,7 @@ class DynamicScales:
         cache = self.kv_cache
         for scale, x in ((cache.k_scale[layer], key), (cache.v_scale[layer], value)):
             amax = amax_per_head(x)
-            scale.copy_(scale_from_amax(amax if self.per_head else amax.amax(), cache.dtype))
+            scale.copy_(kv_scale_from_amax(amax if self.per_head else amax.amax(), cache.dtype))
         if layer == cache.num_layers - 1:
             cache.observer = None
 
@@ -97,7 +98,7 @@ def static_kv_amax(kv_cache_dtype: str, calculate_kv_scales: bool, kv_cache_scal
                    folder: str | Path, num_layers: int, num_kv_heads: int) -> KVAmax | None:
     """The maxima a cache's scales start from (file, else checkpoint), checked against the model before
     anything is built; None when the scales are dynamic, the cache is not fp8, or nothing gives any."""
-    if fp8_dtype(kv_cache_dtype) is None or calculate_kv_scales:
+    if kv_storage_dtype(kv_cache_dtype) is None or calculate_kv_scales:
         return None
     if kv_cache_scales is not None:
         amax = load_kv_amax(kv_cache_scales, num_layers, num_kv_heads)

@@ -93,10 +93,8 @@ class ModelRunner:
         self.sliding_window = args.window(config.max_model_len)
         self.attention_backend = kernels.resolve_backend(
             "torch" if self.sliding_window is not None else engine.attention_backend, self.device)
-        if engine.kv_cache_dtype == "int8" and self.attention_backend == "triton":
-            raise ValueError("kv_cache_dtype='int8' runs on the cpu and torch backends only (the Triton attention "
-                             "kernels read fp8 or model-dtype caches): use kv_cache_dtype='fp8' on a GPU, or "
-                             "attention_backend='torch'")
+        if engine.kv_cache_dtype == "int8":
+            self._check_int8_kv(engine.calculate_kv_scales)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else 0  # flash-decoding's split policy; 0: never split
         self.model: LlamaForCausalLM = load_model(model_config.path, model_config.args, config.dtype, config.device,
@@ -116,6 +114,18 @@ class ModelRunner:
         self.input_batch = InputBatch(config.engine.max_num_seqs, cdiv(config.max_model_len, self.block_size))
         self.kv_cache: KVCache | None = None  # initialize_kv_cache
         self.cuda_graphs: DecodeGraphs | None = None
+
+    def _check_int8_kv(self, calculate_kv_scales: bool) -> None:
+        """An int8 cache needs real scales (scale 1.0 would round every |value| < 0.5 to 0) and a backend that
+        reads it: refused here, before the weights load."""
+        if self.attention_backend == "triton":
+            raise ValueError("kv_cache_dtype='int8' runs on the cpu and torch backends only (the Triton attention "
+                             "kernels read fp8 or model-dtype caches): use kv_cache_dtype='fp8' on a GPU, or "
+                             "attention_backend='torch'")
+        if not calculate_kv_scales and self.kv_amax is None:
+            raise ValueError("kv_cache_dtype='int8' needs scales: calculate_kv_scales=True, a kv_cache_scales file "
+                             "(python -m engine_core.calibrate), or a checkpoint with k_scale / v_scale; with the "
+                             "fp8 cache's default scale of 1.0 int8 would round every |value| < 0.5 to 0")
 
     # ---- memory --------------------------------------------------------------------------
     def determine_kv_cache_config(self) -> KVCacheConfig:

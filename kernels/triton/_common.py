@@ -65,6 +65,9 @@ def fp8_args(key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: float 
                                                      float | torch.Tensor, dict]:
     """(key_cache, value_cache, k_scale, v_scale, flags) as the attention kernels take them for caches
     `[.., .., H_kv, D]` (fp8 caches in the form `fp8_storage` picks)."""
+    if key_cache.dtype == torch.int8:
+        raise ValueError("the Triton attention kernels have no int8 KV cache: use an fp8 or model-dtype cache, or "
+                         "the cpu / torch backend")
     ks, ks_ptr, ks_stride = scale_arg(k_scale, key_cache.shape[2])
     vs, vs_ptr, vs_stride = scale_arg(v_scale, key_cache.shape[2])
     kc, bits = fp8_storage(key_cache)

@@ -75,6 +75,9 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     """Same contract as `kernels.reference.reshape_and_cache`."""
     check_device(key, value, key_cache, value_cache, slot_mapping)
     fmt = cache_format(kv_cache_dtype, key_cache)  # raises on an unknown kv_cache_dtype or a mismatched cache
+    if fmt == torch.int8:
+        raise ValueError("the Triton reshape_and_cache has no int8 KV cache: use an fp8 or model-dtype cache, or "
+                         "the cpu / torch backend")
     num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
     if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
         raise ValueError(f"value_cache {tuple(value_cache.shape)} {value_cache.dtype} != key_cache "

@@ -170,7 +170,7 @@ ENGINE_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("max-num-batched-tokens-bool", dict(max_num_batched_tokens=True), r"max_num_batched_tokens must be an int >= 1, got True"),
     ("long-prefill-threshold-negative", dict(long_prefill_token_threshold=-1), r"long_prefill_token_threshold must be an int >= 0 \(0 = off\)"),
     ("preemption-mode-unknown", dict(preemption_mode="fast"), r"preemption_mode must be one of \('auto', 'recompute', 'swap'\)"),
-    ("kv-cache-dtype-unknown", dict(kv_cache_dtype="int8"), r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'\), got 'int8'"),
+    ("kv-cache-dtype-unknown", dict(kv_cache_dtype="int4"), r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', 'int8'\), got 'int4'"),
     ("dtype-unknown", dict(dtype="float64"), r"dtype must be one of \('auto', 'float32', 'float16', 'bfloat16'\)"),
     ("kv-cache-memory-bytes-float", dict(kv_cache_memory_bytes=1.5e9), r"kv_cache_memory_bytes must be None or an int >= 1, got 1500000000.0"),
     ("num-gpu-blocks-zero", dict(num_gpu_blocks=0), r"num_gpu_blocks must be None or an int >= 1, got 0"),

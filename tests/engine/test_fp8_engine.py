@@ -125,7 +125,8 @@ def test_no_scales_anywhere_means_scale_one():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(kv_cache_dtype="fp8_e4m4"), r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'\)"),
+    (dict(kv_cache_dtype="fp8_e4m4"),
+     r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', 'int8'\)"),
     (dict(kv_cache_dtype="fp8", calculate_kv_scales=True, kv_cache_scales="SCALES"),
      "calculate_kv_scales must be False when kv_cache_scales is given"),
     (dict(kv_cache_scales="SCALES"), "kv_cache_scales must be unset with kv_cache_dtype='auto'"),

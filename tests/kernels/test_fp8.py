@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.fp8 import dequantize_fp8, fp8_dtype, fp8_max, quantize_fp8, scale_from_amax
+from kernels.fp8 import dequantize_fp8, fp8_dtype, fp8_max, kv_storage_dtype, quantize_fp8, scale_from_amax
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -16,8 +16,11 @@ def test_vllm_names_map_to_formats():
     assert fp8_dtype("fp8") == fp8_dtype("fp8_e4m3") == torch.float8_e4m3fn
     assert fp8_dtype("fp8_e5m2") == torch.float8_e5m2 and fp8_dtype("auto") is None
     assert (fp8_max(torch.float8_e4m3fn), fp8_max(torch.float8_e5m2)) == (448.0, 57344.0)
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'\)"):
-        fp8_dtype("int8")
+    assert fp8_dtype("int8") is None and kv_storage_dtype("int8") == torch.int8  # int8: not an fp8 format
+    assert kv_storage_dtype("fp8") == torch.float8_e4m3fn and kv_storage_dtype("auto") is None
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', "
+                                         r"'int8'\)"):
+        fp8_dtype("int4")
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)

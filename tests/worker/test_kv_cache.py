@@ -78,7 +78,7 @@ def test_fp8_blocks_swap_out_and_in_as_bytes():
 
 
 def test_per_head_scales_need_an_fp8_cache():
-    with pytest.raises(ValueError, match="per-head scales need an fp8 kv_cache_dtype"):
+    with pytest.raises(ValueError, match="per-head scales need an fp8 or int8 kv_cache_dtype"):
         KVCache(1, 4, 2, 2, 4, torch.float32, torch.device("cpu"), per_head_scales=True)
 
 
