@@ -74,4 +74,43 @@ BUGS = [
     PlantedBug("quiz_a100_80gb_at_1_5_tb", '"a100_hbm_bytes_per_s": 2.039e12', '"a100_hbm_bytes_per_s": 1.5e12'),
     PlantedBug("quiz_nvlink_both_directions", '"nvlink4_bytes_per_s": 450e9', '"nvlink4_bytes_per_s": 900e9'),
     PlantedBug("slip_141_gb_not_caught", '"gpu_with_141_gb": "H200"', '"gpu_with_141_gb": "H100"'),
+    # mfu: a training step's 6N, the attention FLOPs left out or halved, the fp8 peak
+    PlantedBug("mfu_training_flops", "(2 * memory.num_params(spec) + attention)", "(6 * memory.num_params(spec) + attention)"),
+    PlantedBug("mfu_no_attention", "(2 * memory.num_params(spec) + attention)", "(2 * memory.num_params(spec))"),
+    PlantedBug("mfu_attention_one_matmul", "attention = 4 * spec.num_layers", "attention = 2 * spec.num_layers"),
+    PlantedBug("mfu_fp8_peak", ".bf16_flops\n", ".fp8_flops\n"),
+    # the prediction with the weights alone read per step: the KV left out is 1.5x off at batch 64
+    PlantedBug("predicted_mfu_weights_only", "memory.weight_bytes(LLAMA3_8B, \"bf16\") + batch * 1024 * kv)",
+               "memory.weight_bytes(LLAMA3_8B, \"bf16\"))"),
+    # the call stack: vLLM's runner name in the kit's path, the step and the scheduler swapped, the kernel before
+    # the layer that launches it
+    PlantedBug("call_path_vllm_runner_name", '"ModelRunner.execute_model",\n            "LlamaForCausalLM.forward"',
+               '"GPUModelRunner.execute_model",\n            "LlamaForCausalLM.forward"'),
+    PlantedBug("call_path_schedule_before_step", '"LLMEngine.step", "Scheduler.schedule",',
+               '"Scheduler.schedule", "LLMEngine.step",'),
+    PlantedBug("call_path_kernel_before_attend", '"AttentionPlan.attend", "paged_attention",',
+               '"paged_attention", "AttentionPlan.attend",'),
+    PlantedBug("call_path_stops_at_the_layer", '"AttentionPlan.attend", "paged_attention",', '"AttentionPlan.attend",'),
+    # vLLM's names: v0's answer (LLMEngine steps itself), the worker for its runner
+    PlantedBug("vllm_step_is_llmengine", '"LLMEngine.step": "EngineCore"', '"LLMEngine.step": "LLMEngine"'),
+    PlantedBug("vllm_runner_is_the_worker", '"ModelRunner.execute_model": "GPUModelRunner"',
+               '"ModelRunner.execute_model": "Worker"'),
+    # TensorRT-LLM vs vLLM
+    PlantedBug("features_vllm_builds_too", '"ahead_of_time_build": (True, False)', '"ahead_of_time_build": (True, True)'),
+    PlantedBug("features_trtllm_without_graphs", '"cuda_graphs": (True, True)', '"cuda_graphs": (False, True)'),
+    # buckets as powers of two (33 rows run at 64, not 48), or the next size strictly above n
+    PlantedBug("padding_powers_of_two",
+               "sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16)) + [max_num_seqs]",
+               "sizes = [2 ** k for k in range(max_num_seqs.bit_length() + 1)]"),
+    PlantedBug("padding_strictly_above", "min(s for s in sizes if s >= n) - n", "min([s for s in sizes if s > n] + [n]) - n"),
+    # the prefill step's 40 rows counted as a decode step
+    PlantedBug("predicted_padding_counts_the_prefill", "rows = list(range(39, 0, -1))", "rows = list(range(40, 0, -1))"),
+    # TTFT: the queue ahead forgotten, milliseconds
+    PlantedBug("ttft_without_the_queue", "return sum(prompt_lens[:index + 1]) / prefill_tokens_per_s",
+               "return prompt_lens[index] / prefill_tokens_per_s"),
+    PlantedBug("ttft_in_milliseconds", "return sum(prompt_lens[:index + 1]) / prefill_tokens_per_s",
+               "return 1e3 * sum(prompt_lens[:index + 1]) / prefill_tokens_per_s"),
+    # the queue ahead without the request's own prompt
+    PlantedBug("ttft_queue_without_its_own_prompt", "return sum(prompt_lens[:index + 1]) / prefill_tokens_per_s",
+               "return sum(prompt_lens[:index]) / prefill_tokens_per_s"),
 ]
