@@ -18,6 +18,7 @@ from kernels.fp8 import KV_CACHE_DTYPES, kv_storage_dtype
 
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's names (engine_core/core/request_queue.py)
+KV_EVICTION_POLICIES = ("streaming_llm", "h2o")  # engine_core/core/kv_eviction.py
 _ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # vLLM's executor backends: "uni" (one process, the model in the engine's), "mp" (a worker process per
 # rank, engine_core/executor); None picks "uni" for one rank and "mp" for more
@@ -211,6 +212,13 @@ class EngineConfig:
     # CPU offload tier for finished sessions' KV (engine_core/worker/kv_offload.py), in bytes; 0 = off. Needs
     # enable_prefix_caching (keyed by its block hashes) and one process; at most the host's memory
     kv_offload_bytes: int = 0
+    # Token eviction (docs/long_context.md): "streaming_llm" (attention sinks + a recent window) or "h2o" (heavy
+    # hitters by accumulated attention + a recent window), at block granularity, each request holding at most
+    # kv_budget_tokens of KV (whole blocks) at the start of a step; None = off (every token kept)
+    kv_eviction: str | None = None
+    kv_budget_tokens: int | None = None
+    kv_sink_tokens: int = 0  # the first tokens, always kept (rounded up to whole blocks)
+    kv_recent_tokens: int | None = None  # the last tokens, always kept (whole blocks); None = one block
     # Cost-model rates for choose_preemption_mode; None = documented default of the device.
     prefill_flops_per_s: float | None = None
     swap_bandwidth_bytes_per_s: float | None = None
@@ -309,6 +317,38 @@ class EngineConfig:
         _need(self.quantization is None or self.world_size == 1, "quantization",
               f"None with tensor_parallel_size x pipeline_parallel_size = {self.world_size} > 1 (quantized shards "
               f"are not tested yet)", self.quantization)
+        self._check_kv_eviction()
+
+    def _check_kv_eviction(self) -> None:
+        """The eviction settings, in whole blocks: a budget of at least sinks + recent + the block being written."""
+        if self.kv_eviction is not None:
+            self.kv_eviction = check_choice("kv_eviction", self.kv_eviction, KV_EVICTION_POLICIES)
+        else:
+            for name in ("kv_budget_tokens", "kv_recent_tokens"):
+                _need(getattr(self, name) is None, name, "None without kv_eviction", getattr(self, name))
+            _need(self.kv_sink_tokens == 0, "kv_sink_tokens", "0 without kv_eviction", self.kv_sink_tokens)
+            return
+        bs = self.block_size
+        self.kv_sink_tokens = check_int("kv_sink_tokens", self.kv_sink_tokens, 0)
+        self.kv_recent_tokens = check_int("kv_recent_tokens", self.kv_recent_tokens, 1, optional=True,
+                                          hint="None = one block")
+        sinks = -(-self.kv_sink_tokens // bs)
+        recent = 1 if self.kv_recent_tokens is None else -(-self.kv_recent_tokens // bs)
+        least = (sinks + recent + 1) * bs
+        self.kv_budget_tokens = check_int(
+            "kv_budget_tokens", self.kv_budget_tokens, least,
+            hint=f"whole blocks of {bs}: the {sinks} sink block(s), the {recent} recent block(s) and the block being "
+                 f"written need at least {least}")
+        _need(not self.enable_prefix_caching, "enable_prefix_caching",
+              "False with kv_eviction (a block computed after an eviction attended to part of its prefix: its hash "
+              "no longer names its KV)", self.enable_prefix_caching)
+        _need(self.speculative_config is None, "speculative_config",
+              "None with kv_eviction (drafts would be verified over evicted blocks)", self.speculative_config)
+        _need(self.world_size == 1, "kv_eviction",
+              f"None with tensor_parallel_size x pipeline_parallel_size = {self.world_size} > 1", self.kv_eviction)
+        _need(self.kv_eviction != "h2o" or self.attention_backend in ("auto", "torch"), "attention_backend",
+              "'auto' or 'torch' with kv_eviction='h2o' (only the torch path sums the attention each block gets)",
+              self.attention_backend)
 
     @property
     def world_size(self) -> int:

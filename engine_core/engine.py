@@ -39,7 +39,8 @@ class LLMEngine:
         args = self.model_config.args
         self.config = ResolvedConfig.resolve(config, args.max_position_embeddings, self.model_config.checkpoint_dtype)
         spec = config.speculative_config
-        args.check_sliding_window(self.config.max_model_len, config.attention_backend, spec and spec.method)
+        args.check_sliding_window(self.config.max_model_len, config.attention_backend, spec and spec.method,
+                                  config.kv_eviction)
         if spec is not None and spec.method == "draft_model":  # before any process or weight is loaded
             check_draft_model(spec.model, args.vocab_size, self.config.max_model_len)
         self.executor: Executor = get_executor_class(self.config)(self.config, self.model_config)

@@ -72,6 +72,8 @@ class Stats:
     num_blocks_swapped_out: int = _stat("GPU->CPU block copies planned")
     num_blocks_swapped_in: int = _stat("CPU->GPU block copies planned")
     num_blocks_out_of_window: int = _stat("GPU blocks freed as they fell out of the model's sliding window")
+    num_blocks_evicted: int = _stat("GPU blocks freed by kv_eviction (StreamingLLM / H2O) to keep a request within "
+                                    "kv_budget_tokens")
     prefix_cache_queries: int = _stat("tokens of admitted requests looked up in the prefix cache",
                                       "vllm:prefix_cache_queries_total")
     prefix_cache_hits: int = _stat("of those, tokens served from the cache", "vllm:prefix_cache_hits_total")

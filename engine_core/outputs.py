@@ -16,3 +16,6 @@ class ModelRunnerOutput:
     # after them (1 to k + 1)
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> what failed, naming the request
+    # kv_eviction "h2o": request id -> the attention each block of its runner row (its resident blocks, oldest
+    # first) received this step, summed over layers, heads and query rows
+    block_scores: dict[str, list[float]] = field(default_factory=dict)

@@ -10,11 +10,13 @@ import pickle
 from typing import Sequence
 
 from engine_core.core.block_pool import BlockHash, BlockPool, KVCacheBlock
+from engine_core.core.kv_eviction import evict_tokens
 from engine_core.core.sliding_window import num_blocks_out_of_window
 from engine_core.request import Request
 
-# vLLM's null block: the entry of a table slot whose block was freed (out of the sliding window). It belongs to no
-# pool and is never handed to the runner (whose row keeps the old id there, never read: kernels/window_attention.py).
+# vLLM's null block: the entry of a table slot whose block was freed (out of the sliding window, or evicted). It
+# belongs to no pool and is never handed to the runner: with a window its row keeps the old id there, never read
+# (kernels/window_attention.py); after an eviction the runner gets the kept blocks only (Scheduler._schedule_chunk).
 NULL_BLOCK = KVCacheBlock(-1)
 
 
@@ -51,6 +53,8 @@ class KVCacheManager:
             raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
         self.sliding_window = sliding_window
         self.num_skipped_blocks: dict[str, int] = {}  # leading NULL_BLOCK entries of a table (sliding window)
+        self.num_evicted_blocks: dict[str, int] = {}  # NULL_BLOCK entries left by evict_blocks (kv_eviction)
+        self.block_scores: dict[str, list[float]] = {}  # h2o: accumulated attention per table slot
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_gpu_blocks)
@@ -184,11 +188,50 @@ class KVCacheManager:
         self.block_pool.free_blocks(reversed(freed))
         return n - done
 
+    def evict_blocks(self, request: Request, policy: str, budget_blocks: int, num_sink_blocks: int,
+                     num_recent_blocks: int) -> int:
+        """Token eviction (core/kv_eviction.py) before a step: free the request's full, computed blocks that
+        `evict_tokens` drops so that it holds at most `budget_blocks` (its partial last block counted, never
+        evicted), NULL_BLOCK in their slots. h2o ranks them by `block_scores`. Returns how many were freed."""
+        rid = request.request_id
+        table = self.req_to_blocks.get(rid)
+        if not table:
+            return 0
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        resident = [i for i in range(num_full) if table[i] is not NULL_BLOCK]
+        partial = len(table) - num_full  # allocated after the computed blocks: the one being written
+        scores = None
+        if policy == "h2o":
+            held = self.block_scores.get(rid, [])
+            scores = [held[i] if i < len(held) else 0.0 for i in resident]
+        dropped = evict_tokens(policy, len(resident), budget_blocks - partial, num_sink_blocks, num_recent_blocks,
+                               scores)
+        if not dropped:
+            return 0
+        freed = [table[resident[j]] for j in dropped]
+        for j in dropped:
+            table[resident[j]] = NULL_BLOCK
+        self.num_evicted_blocks[rid] = self.num_evicted_blocks.get(rid, 0) + len(dropped)
+        self.block_pool.free_blocks(reversed(freed))
+        return len(dropped)
+
+    def add_block_scores(self, request: Request, scores: Sequence[float]) -> None:
+        """Accumulate one step's attention per block of the runner's row (the table's kept blocks, in order)."""
+        rid = request.request_id
+        table = self.req_to_blocks.get(rid, [])
+        held = self.block_scores.setdefault(rid, [])
+        if len(held) < len(table):
+            held.extend([0.0] * (len(table) - len(held)))
+        slots = [i for i, b in enumerate(table) if b is not NULL_BLOCK]
+        for i, score in zip(slots, scores):
+            held[i] += score
+
     def free(self, request: Request) -> None:
         """Release the request's GPU and CPU blocks. The table is freed tail first, so the
         request's last blocks (least likely to be shared) are evicted before its prefix."""
         rid = request.request_id
-        if self.num_skipped_blocks.pop(rid, 0):
+        self.block_scores.pop(rid, None)
+        if self.num_skipped_blocks.pop(rid, 0) + self.num_evicted_blocks.pop(rid, 0):
             self.req_to_blocks[rid] = [b for b in self.req_to_blocks[rid] if b is not NULL_BLOCK]
         self.block_pool.free_blocks(reversed(self.req_to_blocks.pop(rid, [])))
         self.cpu_block_pool.free_blocks(self.req_to_cpu_blocks.pop(rid, []))
@@ -202,7 +245,7 @@ class KVCacheManager:
                                     if b is not NULL_BLOCK)
         self.cpu_block_pool.release_all()
         for table in (self.req_to_blocks, self.req_to_cpu_blocks, self.num_cached_blocks, self.req_to_block_hashes,
-                      self.num_skipped_blocks):
+                      self.num_skipped_blocks, self.num_evicted_blocks, self.block_scores):
             table.clear()
 
     # ---- swapping ------------------------------------------------------------------------
@@ -213,7 +256,8 @@ class KVCacheManager:
     def can_swap_out(self, request: Request) -> bool:
         """Room in the CPU pool, and a table with no freed (NULL_BLOCK) slot: such a request is recomputed."""
         return (self.num_blocks_to_swap(request) <= self.cpu_block_pool.num_free_blocks
-                and not self.num_skipped_blocks.get(request.request_id))
+                and not self.num_skipped_blocks.get(request.request_id)
+                and not self.num_evicted_blocks.get(request.request_id))
 
     # seam: lab 03 (grader/seams.py)
     def swap_out(self, request: Request) -> list[tuple[int, int]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-EVICTION_POLICIES = ("streaming_llm", "h2o")
+from engine_core.config import KV_EVICTION_POLICIES as EVICTION_POLICIES
 
 
 # seam: lab 16 (grader/seams.py)

@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 from engine_core import memory
 from engine_core.config import KVCacheConfig, ResolvedConfig
 from engine_core.core.cost_model import PreemptionCostModel
-from engine_core.core.kv_cache_manager import KVCacheBlock, KVCacheManager, cdiv
+from engine_core.core.kv_cache_manager import NULL_BLOCK, KVCacheBlock, KVCacheManager, cdiv
 from engine_core.core.request_queue import create_request_queue
 from engine_core.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from engine_core.metrics import Stats
@@ -43,6 +43,12 @@ class Scheduler:
                                                enable_caching=self.config.enable_prefix_caching,
                                                num_cpu_blocks=kv_cache_config.num_cpu_blocks,
                                                sliding_window=sliding_window)
+        # kv_eviction: (policy, budget, sink, recent), in blocks (EngineConfig checked them); None: off
+        self.eviction: tuple[str, int, int, int] | None = None
+        if self.config.kv_eviction is not None:
+            bs, recent = self.block_size, self.config.kv_recent_tokens
+            self.eviction = (self.config.kv_eviction, self.config.kv_budget_tokens // bs,
+                             cdiv(self.config.kv_sink_tokens, bs), 1 if recent is None else cdiv(recent, bs))
         self.requests: dict[str, Request] = {}
         # ordered by scheduling_policy: FCFS (recompute-preempted requests at the front) or (priority, arrival)
         self.waiting = create_request_queue(self.config.scheduling_policy)
@@ -74,6 +80,8 @@ class Scheduler:
                              f"got {n}")
         max_len = min(n + request.sampling_params.max_tokens, self.max_model_len)
         need = cdiv(max_len, self.block_size)
+        if self.eviction is not None:  # it holds its budget at most, plus a step's chunk
+            need = min(need, self.eviction[1] + cdiv(self.max_num_batched_tokens, self.block_size) + 1)
         if need > self.kv_cache_manager.num_gpu_blocks:
             raise ValueError(
                 f"request {rid!r} can never fit: prompt {n} + max_tokens {request.sampling_params.max_tokens} "
@@ -108,6 +116,8 @@ class Scheduler:
         requests `in_flight` are left out of the plan (`_without_in_flight`)."""
         if self.kv_cache_manager.sliding_window is not None:
             self._remove_skipped_blocks()
+        if self.eviction is not None:
+            self._evict_blocks()
         out = self._without_in_flight(self._schedule_tokens) if self.in_flight else self._schedule_tokens()
         if self.proposer is not None:
             self._schedule_drafts(out)
@@ -123,6 +133,18 @@ class Scheduler:
             if request.request_id not in self.in_flight:
                 self.counters.num_blocks_out_of_window += kvm.remove_skipped_blocks(request,
                                                                                     request.num_computed_tokens)
+
+    def _evict_blocks(self) -> None:
+        """kv_eviction: bring every running request back within its KV budget before the plan (the blocks freed
+        serve this step). A request that lost blocks gets its table again, kept blocks only (`_schedule_chunk`)."""
+        kvm = self.kv_cache_manager
+        for request in self.running:
+            if request.request_id in self.in_flight:
+                continue
+            num = kvm.evict_blocks(request, *self.eviction)
+            if num:
+                self.counters.num_blocks_evicted += num
+                self._sent_tables.pop(request.request_id, None)
 
     def _without_in_flight(self, plan: Callable[[], SchedulerOutput]) -> SchedulerOutput:
         """`plan()` with the running requests in flight hidden from it (vLLM's batch queue): their next
@@ -234,6 +256,10 @@ class Scheduler:
         new_blocks = table if resumed else table[sent[1]:]
         self._sent_tables[rid] = (table, len(table))
         chunk = ScheduledChunk(request, request.num_computed_tokens, num_new, [b.block_id for b in new_blocks], resumed)
+        evicted = self.kv_cache_manager.num_evicted_blocks.get(rid, 0) if self.eviction is not None else 0
+        if evicted:  # the runner's row holds the kept blocks only
+            chunk.new_block_ids = [b for b in chunk.new_block_ids if b != NULL_BLOCK.block_id]
+            chunk.num_evicted_tokens = evicted * self.block_size
         out.scheduled.append(chunk)
         return chunk
 
@@ -372,6 +398,9 @@ class Scheduler:
         is verified); the slots after it are written again next step. Returns the failed requests, then
         every request that got a token (finished ones included)."""
         now = time.monotonic()
+        for rid, scores in model_runner_output.block_scores.items():  # kv_eviction "h2o"
+            if rid in self.requests:
+                self.kv_cache_manager.add_block_scores(self.requests[rid], scores)
         failed = [self._fail(rid, why) for rid, why in model_runner_output.failed.items() if rid in self.requests]
         sampled_token_ids = model_runner_output.sampled_token_ids
         drafts_of = scheduler_output.scheduled_spec_decode_tokens

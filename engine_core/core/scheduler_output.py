@@ -24,6 +24,9 @@ class ScheduledChunk:
     num_tokens: int
     new_block_ids: list[int]  # blocks appended to the request's table since the runner last saw it
     resumed: bool = False  # True: new_block_ids is the whole table (the runner starts the request afresh)
+    # tokens of the request's context whose blocks were evicted (kv_eviction): the runner's row holds the kept
+    # blocks only, so a token's cache position is its position less this; its RoPE position stays its position
+    num_evicted_tokens: int = 0
 
     @property
     def token_ids(self) -> list[int]:

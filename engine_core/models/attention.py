@@ -15,6 +15,7 @@ import torch
 
 import kernels
 from engine_core.models.lora import LoRABatch
+from kernels.scored_attention import paged_attention_scored
 from kernels.window_attention import paged_attention_window
 
 
@@ -41,6 +42,9 @@ class AttentionMetadata:
     output_num_splits: int = 1
     # the model's sliding window (kernels/window_attention.py, the torch backend only); None: full attention
     sliding_window: int | None = None
+    # kv_eviction "h2o": [num_seqs, max_blocks] fp32, the attention each block of a sequence's row receives, summed
+    # over the layers (AttentionPlan.attend_scored adds each layer's); None: not collected
+    block_scores: torch.Tensor | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -128,7 +132,7 @@ class AttentionPlan:
         meta, ops = self.meta, self.ops
         if (not self.fused_decode_block or ops.backend != "cpu" or ops.rotary_embedding is None
                 or not meta.decode_only or meta.output_rows is not None or meta.kv_cache_dtype != "auto"
-                or meta.decode_num_splits != 1 or meta.sliding_window is not None):
+                or meta.decode_num_splits != 1 or meta.sliding_window is not None or meta.block_scores is not None):
             return None
         from kernels import cpu
         block = cpu.DecodeAttentionBlock(positions, cos, sin, meta.slot_mapping, meta.block_tables, meta.seq_lens,
@@ -145,6 +149,20 @@ class AttentionPlan:
         one_each = torch.arange(rows.numel() + 1, dtype=torch.int32, device=query.device)
         return paged_attention_window(query[rows], *cache, *self.output, one_each, scale, meta.sliding_window,
                                       kv.k_scale, kv.v_scale)
+
+    def attend_scored(self, query: torch.Tensor, kv: LayerKV, scale: float, only_output_rows: bool) -> torch.Tensor:
+        """`attend` / `attend_output_rows` that also adds the attention each block receives to `meta.block_scores`."""
+        meta, cache = self.meta, (kv.key_cache, kv.value_cache)
+        if not only_output_rows:
+            out, scores = paged_attention_scored(query, *cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                                 scale, kv.k_scale, kv.v_scale)
+            meta.block_scores += scores
+            return out
+        rows = self.output_rows
+        one_each = torch.arange(rows.numel() + 1, dtype=torch.int32, device=query.device)
+        out, scores = paged_attention_scored(query[rows], *cache, *self.output, one_each, scale, kv.k_scale, kv.v_scale)
+        meta.block_scores.index_add_(0, meta.output_seqs, scores)
+        return out
 
     def attend_output_rows(self, query: torch.Tensor, kv: LayerKV, scale: float) -> torch.Tensor:
         """Only the emitting rows (`meta.output_rows`), in their order."""

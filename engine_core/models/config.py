@@ -101,7 +101,8 @@ class LlamaArgs:
         """The sliding window that matters at `max_model_len` (None: every query sees its whole context)."""
         return self.sliding_window if self.sliding_window is not None and self.sliding_window < max_model_len else None
 
-    def check_sliding_window(self, max_model_len: int, attention_backend: str, speculative_method: str | None) -> None:
+    def check_sliding_window(self, max_model_len: int, attention_backend: str, speculative_method: str | None,
+                             kv_eviction: str | None = None) -> None:
         """A window that matters runs on the `torch` backend's windowed attention (kernels/window_attention.py;
         "auto" picks it); the cpu and triton kernels and a draft model attend to the whole context: refused."""
         window = self.window(max_model_len)
@@ -111,6 +112,9 @@ class LlamaArgs:
             raise ValueError(f"attention_backend={attention_backend!r} cannot honour the model's sliding_window="
                              f"{window} (its kernels attend to the whole context): use 'torch' or 'auto' (which "
                              f"picks 'torch' for a windowed model), or max_model_len <= {window}")
+        if kv_eviction is not None:
+            raise ValueError(f"kv_eviction={kv_eviction!r} is not supported with the model's sliding_window={window} "
+                             f"< max_model_len={max_model_len} (the window already bounds the KV): use None")
         if speculative_method == "draft_model":
             raise ValueError(f"speculative_config method 'draft_model' is not supported with the model's "
                              f"sliding_window={window} < max_model_len={max_model_len}: use method 'ngram'")

@@ -147,6 +147,8 @@ class Attention(nn.Module):
         plan.write_kv(k, v, kv)
         if plan.meta.sliding_window is not None:
             out = plan.attend_window(q, kv, self.scale, only_output_rows)
+        elif plan.meta.block_scores is not None:
+            out = plan.attend_scored(q, kv, self.scale, only_output_rows)
         else:
             out = (plan.attend_output_rows if only_output_rows else plan.attend)(q, kv, self.scale)
         return self.o_proj(out.reshape(-1, h * d), residual, lora and lora.rows(only_output_rows))

@@ -91,8 +91,10 @@ class ModelRunner:
         # ops come from kernels.kernel_ops on it
         # a model whose sliding window matters runs the torch backend's windowed attention (LlamaArgs.check_sliding_window)
         self.sliding_window = args.window(config.max_model_len)
+        # kv_eviction "h2o" needs the attention each block gets: the torch path sums it (AttentionPlan.attend_scored)
+        self.h2o = engine.kv_eviction == "h2o"
         self.attention_backend = kernels.resolve_backend(
-            "torch" if self.sliding_window is not None else engine.attention_backend, self.device)
+            "torch" if self.sliding_window is not None or self.h2o else engine.attention_backend, self.device)
         if engine.kv_cache_dtype == "int8":
             self._check_int8_kv(engine.calculate_kv_scales)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count \
@@ -199,7 +201,8 @@ class ModelRunner:
             self.kv_cache.observer = DynamicScales(self.kv_cache, engine.kv_scales_per_head)
         elif self.kv_amax is not None:
             self.kv_cache.set_scales(*self.kv_amax.scales(self.kv_cache.dtype, engine.kv_scales_per_head))
-        if self.device.type == "cuda" and not engine.enforce_eager and self.sliding_window is None:
+        if (self.device.type == "cuda" and not engine.enforce_eager and self.sliding_window is None
+                and engine.kv_eviction is None):
             self.cuda_graphs = DecodeGraphs(self.model, self.kv_cache, engine.max_num_seqs,
                                             cdiv(self.config.max_model_len, self.block_size), self.device,
                                             self.attention_backend)
@@ -282,6 +285,7 @@ class ModelRunner:
             else:
                 out.sampled_token_ids.update(alone.sampled_token_ids)
                 out.failed.update(alone.failed)
+                out.block_scores.update(alone.block_scores)
         return out
 
     def _distrust_lora_slots(self) -> None:
@@ -297,20 +301,23 @@ class ModelRunner:
         batch = build_model_input(chunks, rows, self.input_batch, self.block_size, self.device,
                                   self.config.engine.kv_cache_dtype, self.attention_backend, spec)
         batch.attn_metadata.sliding_window = self.sliding_window
+        if self.h2o:
+            batch.attn_metadata.block_scores = torch.zeros(batch.attn_metadata.block_tables.shape, dtype=torch.float32,
+                                                           device=self.device)
         if self.num_sms:
             self._choose_num_splits(chunks, batch.attn_metadata)
         if self.lora is not None:
             num_rows = [c.num_tokens + len(spec.get(c.request.request_id, ())) for c in chunks] if spec else None
             batch.attn_metadata.lora = self.lora.prepare(chunks, batch.attn_metadata, num_rows)
         hidden = self._forward(batch)
+        out = ModelRunnerOutput(block_scores=self._block_scores(chunks, batch.attn_metadata))
         if not batch.emitting or hidden is None:  # only mid-prompt chunks; or a pipeline stage before the last
-            return ModelRunnerOutput()
+            return out
         if batch.logits_indices is not None:
             hidden = hidden[batch.logits_indices]
         logits = self.model.compute_logits(hidden)  # the emitting rows only
         if logits is None:  # a TP rank other than 0: rank 0 gathered the logits and samples
-            return ModelRunnerOutput()
-        out = ModelRunnerOutput()
+            return out
         for request, tokens in zip(batch.emitting, self._sample(logits, batch, draft_probs)):
             if tokens[0] == INVALID_TOKEN:
                 out.failed[request.request_id] = (
@@ -319,6 +326,14 @@ class ModelRunner:
             else:
                 out.sampled_token_ids[request.request_id] = tokens
         return out
+
+    def _block_scores(self, chunks: list[ScheduledChunk], meta: AttentionMetadata) -> dict[str, list[float]]:
+        """kv_eviction "h2o": each request's accumulated attention per block of its row (one copy to the host)."""
+        if meta.block_scores is None:
+            return {}
+        scores = meta.block_scores.tolist()
+        lens = meta.seq_lens.tolist()
+        return {c.request.request_id: scores[i][:cdiv(lens[i], self.block_size)] for i, c in enumerate(chunks)}
 
     def _sample(self, logits: torch.Tensor, batch: ModelInput,
                 draft_probs: dict[str, torch.Tensor | None] | None = None) -> list[list[int]]:
@@ -393,7 +408,12 @@ def build_model_input(chunks: list[ScheduledChunk], rows: list[int], input_batch
     total = int(query_start_loc[-1])
     seq_idx = torch.repeat_interleave(torch.arange(len(chunks)), nums)
     positions = torch.arange(total) - query_start_loc[seq_idx] + starts[seq_idx]
-    slot_mapping = block_tables[seq_idx, positions // block_size].long() * block_size + positions % block_size
+    cache_positions, seq_starts = positions, starts  # where each token's K/V sits in the row: its position ...
+    if any(c.num_evicted_tokens for c in chunks):  # ... less the evicted tokens before it (kv_eviction)
+        evicted = torch.tensor([c.num_evicted_tokens for c in chunks], dtype=torch.int64)
+        cache_positions, seq_starts = positions - evicted[seq_idx], starts - evicted
+    slot_mapping = (block_tables[seq_idx, cache_positions // block_size].long() * block_size
+                    + cache_positions % block_size)
     emits = torch.tensor([c.emits for c in chunks], dtype=torch.bool)
     emit_seqs = emits.nonzero().flatten()
     logits_indices = (query_start_loc[1:] - 1)[emit_seqs]
@@ -405,7 +425,7 @@ def build_model_input(chunks: list[ScheduledChunk], rows: list[int], input_batch
         every_row_emits = True
     meta = AttentionMetadata(
         slot_mapping=slot_mapping.to(device), block_tables=block_tables.to(device),
-        seq_lens=(starts + nums).to(device=device, dtype=torch.int32),
+        seq_lens=(seq_starts + nums).to(device=device, dtype=torch.int32),
         query_start_loc=query_start_loc.to(device=device, dtype=torch.int32),
         num_decode_seqs=int((nums == 1).sum()), kv_cache_dtype=kv_cache_dtype, backend=backend,
         output_rows=None if every_row_emits else logits_indices.to(device),
