@@ -97,8 +97,9 @@ def compile_cell(launch: Launch, target: Target) -> Cell:
     from triton.compiler import ASTSource
 
     path = cache_dir() / f"{_key(launch, target)}.json"
-    if path.is_file():
-        return Cell(**{**json.loads(path.read_text()), "cached": True})
+    if path.is_file():  # the note is the launch's (which variant this target gets), not part of the result
+        cached = json.loads(path.read_text())
+        return Cell(**{**cached, "cached": True, **({"note": launch.note} if cached["status"] == "ok" else {})})
     start = time.perf_counter()
     signature, constexprs, attrs = _source(launch)
     try:

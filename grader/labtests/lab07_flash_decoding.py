@@ -30,7 +30,6 @@ if not torch.cuda.is_available():
 
 LAB = "07_flash_decoding"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TILE = 16 if DEVICE.type == "cpu" else 64  # the notebook's BLOCK_N: splits are made of whole tiles
 SCALE = 0.3
 NEG = -1e30  # -inf shown as a finite number in observations (so that -inf == -inf compares as close)
 
@@ -369,7 +368,13 @@ def test_predicted_flash_decoding_speedup(student):
 
 # ---- task 2: the split kernel --------------------------------------------------------------------
 
-def split_bounds(seq_len, num_splits, tile=TILE):
+def tile_of(student, dtype, head_dim):
+    """The notebook's BLOCK_N for `dtype` and `head_dim` here (its given `decode_tiles`, setup cell: 16 under the
+    interpreter, the GPU's own on a GPU): splits are made of whole tiles of it."""
+    return student.decode_tiles(dtype, head_dim)["BLOCK_N"]
+
+
+def split_bounds(seq_len, num_splits, tile):
     """The contract's token range [start, end) of each split: whole tiles, ceil(tiles / num_splits) of them
     per split, the last splits short or empty."""
     per_split = -(-(-(-seq_len // tile)) // num_splits) * tile
@@ -377,8 +382,10 @@ def split_bounds(seq_len, num_splits, tile=TILE):
 
 
 @functools.cache
-def _oracle(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0, num_splits=1):
-    """float64, on the CPU, for the batch `make_paged_batch` builds from these arguments: (output [num_seqs, H, D],
+def _oracle(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0, num_splits=1,
+            tile=16):
+    """float64, on the CPU, for the batch `make_paged_batch` builds from these arguments, split in whole tiles of
+    `tile` tokens: (output [num_seqs, H, D],
     partial outputs [num_seqs, H, S, D], lse [num_seqs, H, S] with -inf shown as NEG), each query head h of
     sequence i over KV head h // group, tokens gathered one by one through the block table."""
     batch = make_paged_batch(list(seq_lens), num_heads, num_kv_heads, head_dim, block_size, dtype, seed)
@@ -397,7 +404,7 @@ def _oracle(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch
         v = torch.stack([vc[b, r] for b, r in rows])
         for h in range(num_heads):
             logits = k[:, h // group] @ q[i, h] * SCALE
-            p, l, out[i, h] = _split_attention64(logits, v[:, h // group], split_bounds(n, num_splits))
+            p, l, out[i, h] = _split_attention64(logits, v[:, h // group], split_bounds(n, num_splits, tile))
             parts[i, h], lse[i, h] = p, torch.where(torch.isinf(l), torch.full_like(l, NEG), l)
     return out, parts, lse
 
@@ -445,10 +452,11 @@ def decode_case(student, case, num_splits, atol, what="", query_layout=None):
     if query_layout is not None:
         batch["query"] = query_layout(batch["query"])
     got = run_decode(student, batch, num_splits)
+    tile = tile_of(student, case[5], case[3])
     for i, n in enumerate(batch["seq_lens"].tolist()):
         expect_close(got[i].cpu().double(), _oracle(*case)[0][i],
-                     f"{what}sequence {i} (seq_len {n}, splits {split_bounds(n, num_splits)}): its output [query heads, "
-                     f"head_dim]; on {describe(batch, num_splits)}", atol=atol)
+                     f"{what}sequence {i} (seq_len {n}, splits {split_bounds(n, num_splits, tile)}): its output "
+                     f"[query heads, head_dim]; on {describe(batch, num_splits)}", atol=atol)
 
 
 # fp32 throughout: the oracle is float64, the kernel accumulates in fp32 over <= 60 tokens and the merge
@@ -464,7 +472,7 @@ def test_split_kernel_partials_and_lse(student):
     """What the launcher hands to merge_partials: partial outputs [num_seqs, H, S, D] and natural-log lse
     [num_seqs, H, S] in fp32, split s owning whole tiles of BLOCK_N tokens (an empty split: zeros and -inf).
     Tiles of 16 tokens under the interpreter: a 40-token context in 2 splits is tokens 0-31 and 32-39."""
-    case = ((40, 5, 16), 2, 1, 16, 8, torch.float32, 3, 2)
+    case = ((40, 5, 16), 2, 1, 16, 8, torch.float32, 3, 2, tile_of(student, torch.float32, 16))
     batch = make_paged_batch(*([list(case[0])] + list(case[1:7])))
     seen = []
     run_decode(student, batch, 2, partials=seen)
@@ -475,8 +483,8 @@ def test_split_kernel_partials_and_lse(student):
                  f"[shape and dtype of the partial outputs, of the lse] handed to merge_partials; on {describe(batch, 2)}")
     expect_close(torch.where(torch.isinf(lse), torch.full_like(lse, NEG), lse).double(), _oracle(*case)[2],
                  f"lse handed to merge_partials (natural log: ln sum exp(scale q.k) over the split's tokens, -inf shown "
-                 f"as {NEG:g} for an empty split); splits per sequence {[split_bounds(n, 2) for n in case[0]]}; on "
-                 f"{describe(batch, 2)}", rtol=1e-5, atol=FP32_ATOL)
+                 f"as {NEG:g} for an empty split); splits per sequence "
+                 f"{[split_bounds(n, 2, case[8]) for n in case[0]]}; on {describe(batch, 2)}", rtol=1e-5, atol=FP32_ATOL)
     expect_close(parts.double(), _oracle(*case)[1],
                  f"partial outputs handed to merge_partials (each split's softmax-weighted values over its own tokens, "
                  f"zeros for an empty split); on {describe(batch, 2)}", atol=FP32_ATOL)
@@ -521,12 +529,12 @@ def test_split_kernel_empty_row(student):
     decode_case(student, ((20, 0, 3), 2, 1, 16, 8, torch.float32, 8), 4, FP32_ATOL, what="an empty row, 4 splits: ")
 
 
-def _lse_sensitive_batch():
-    """fp16 query and caches on which fp16 partials show: 2 sequences of 2 tiles (2 splits of one tile), 4 query
-    heads on 2 KV heads of 16. Every key is its KV head's direction u plus 2 % noise and each query head a multiple
+def _lse_sensitive_batch(tile):
+    """fp16 query and caches on which fp16 partials show: 2 sequences of 2 tiles of `tile` tokens (2 splits of one
+    tile), 4 query heads on 2 KV heads of 16. Every key is its KV head's direction u plus 2 % noise and each query head a multiple
     of u, so the logits lie between 100 and 215 and spread by about 1 within a row; V is +2 in split 0, -2 in
     split 1, so the two splits' outputs are 4 apart and their merge weights matter."""
-    seq_lens, num_heads, num_kv_heads, head_dim, block_size = [2 * TILE, 2 * TILE - 5], 4, 2, 16, 8
+    seq_lens, num_heads, num_kv_heads, head_dim, block_size = [2 * tile, 2 * tile - 5], 4, 2, 16, 8
     batch = make_paged_batch(seq_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float64, seed=11)
     u = torch.randn(num_kv_heads, head_dim, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
     kc, vc, tables = batch["key_cache"].cpu(), batch["value_cache"].cpu(), batch["block_tables"].cpu()
@@ -534,7 +542,7 @@ def _lse_sensitive_batch():
         for t in range(n):
             block, row = int(tables[i, t // block_size]), t % block_size
             kc[block, row] = u + 0.02 * kc[block, row]
-            vc[block, row] += 2.0 if t < TILE else -2.0
+            vc[block, row] += 2.0 if t < tile else -2.0
     uq = u.repeat_interleave(num_heads // num_kv_heads, 0)  # query head h's KV head direction
     logit = torch.tensor([[100.0 + 23.7 * h + 41.3 * i for h in range(num_heads)] for i in range(len(seq_lens))],
                          dtype=torch.float64)
@@ -564,7 +572,8 @@ def test_split_kernel_fp16_keeps_fp32_partials(student):
     is right on logits near 100-215 where fp16 partials are not. There an lse stored in fp16 is a multiple of
     1/16 or 1/8: the two splits' merge weights move by up to 6 % and the output by up to 0.1. With fp32 partials
     the output is off by 5e-4 (its own rounding to fp16); tolerance 4e-3 as in the other fp16 case."""
-    batch = _lse_sensitive_batch()
+    tile = tile_of(student, torch.float16, 16)
+    batch = _lse_sensitive_batch(tile)
     seen = []
     got = run_decode(student, batch, 2, partials=seen)
     expect_equal([str(t.dtype) for t in seen[0]] if seen else "merge_partials was not called",
@@ -572,7 +581,7 @@ def test_split_kernel_fp16_keeps_fp32_partials(student):
                  f"[dtype of the partial outputs, of the lse] handed to merge_partials; on {describe(batch, 2)}")
     for i, n in enumerate(batch["seq_lens"].tolist()):
         expect_close(got[i].cpu().double(), _attention64(batch)[i],
-                     f"sequence {i} (seq_len {n}, splits {split_bounds(n, 2)}, logits near {100 + 41.3 * i:g} + "
+                     f"sequence {i} (seq_len {n}, splits {split_bounds(n, 2, tile)}, logits near {100 + 41.3 * i:g} + "
                      f"23.7 x head, V +2 in split 0 and -2 in split 1): its output [query heads, head_dim]; on "
                      f"{describe(batch, 2)}", atol=4e-3)
 

@@ -142,9 +142,8 @@ split_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
     partials.stride(0), partials.stride(1), partials.stride(2), lse.stride(0), lse.stride(1),
     head_dim,
     BLOCK_SIZE=block_size, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-    BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=BLOCK_N, NUM_SPLITS=num_splits,
-    UPCAST=INTERPRET or query.dtype == torch.float32,
-    num_warps=1 if INTERPRET else 4, num_stages=1,
+    BLOCK_D=max(16, triton.next_power_of_2(head_dim)), NUM_SPLITS=num_splits,
+    UPCAST=INTERPRET or query.dtype == torch.float32, **decode_tiles(query.dtype, head_dim),
 )
 merged = merge_partials(partials, lse)
 return merged.to(query.dtype)
