@@ -554,3 +554,219 @@ def test_tp2_tokens_equal_tp1(student):
     expect_equal(stats["comm_num_all_reduces"], (2 * layers + 1) * stats["comm_num_gathers"],
                  f"{what}: all-reduces over both ranks, against (2 x {layers} layers + 1) x the gathers (one per "
                  f"rank and forward step)")
+
+
+# ---- task 7: interleaved stages and the stage boundary ---------------------------------------------------
+
+@pytest.mark.points(2)
+@pytest.mark.task("interleaved_bubble")
+def test_interleaved_bubble_by_hand(student):
+    """(p - 1) / (v m), bubble time over ideal time: 8 micro-batches on 4 stages 3/8 plain, 3/16 with 2 chunks,
+    3/32 with 4; one stage never idles; 60 micro-batches on 4 stages 5% plain, 15 enough with 4 chunks (rtol
+    1e-12: exact fractions)."""
+    for m, p, v in [(8, 4, 1), (8, 4, 2), (8, 4, 4), (5, 1, 3), (60, 4, 1), (15, 4, 4), (1, 8, 1), (12, 8, 3)]:
+        expect_close(student.interleaved_bubble(m, p, v), (p - 1) / (v * m),
+                     f"interleaved_bubble({m}, {p}, {v}): bubble time over ideal time", rtol=1e-12)
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("interleaved_bubble")
+def test_interleaved_bubble_rejects_bad_sizes(student):
+    """No micro-batch, no stage, no chunk, a float or a bool: ValueError naming the parameter."""
+    for args, name in [((0, 4, 2), "num_microbatches"), ((8, 0, 2), "num_stages"), ((8, 4, 0), "num_chunks"),
+                       ((8.0, 4, 2), "num_microbatches"), ((8, 4, True), "num_chunks"), ((8, -1, 2), "num_stages")]:
+        expect_raises(ValueError, student.interleaved_bubble, *args, match=name,
+                      message=f"interleaved_bubble{args!r}: a ValueError naming {name}")
+
+
+KERNEL_LAUNCH_S = 4e-6
+
+
+def _boundary_us(tokens):
+    """fp8 instead of bf16 at the 100 GbE stage boundary: 1 B per element saved on the link; two kernels of 4 us
+    each plus 2 + 1 (quantize) + 1 + 2 (dequantize) bytes per element over H100 HBM (3.35 TB/s)."""
+    elements = tokens * MODEL_175B.hidden_size
+    return (1e6 * elements / ETHERNET.nvlink_bytes_per_s,
+            1e6 * (2 * KERNEL_LAUNCH_S + 6 * elements / H100.hbm_bytes_per_s))
+
+
+# Tolerance 2%: the given model's arithmetic; the slips it rejects: bf16's 2 B counted as saved (+100%), the
+# launches left out of the cost (-98% at decode), only one kernel (-49% at decode), 100 Gb as 100 GB (-87%).
+BOUNDARY_RTOL = 0.02
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("stage_boundary")
+def test_predicted_boundary_compression(student):
+    """Decode (8 tokens): 7.86 us saved, 8.18 us of kernels (a loss). Prefill (8 x 2048 tokens): 16106 us saved,
+    369 us of kernels."""
+    got = student.predicted_boundary_compression_us()
+    expect_equal(sorted(got), ["decode", "prefill"], "predicted_boundary_compression_us(): its keys")
+    for key, tokens in (("decode", BATCH), ("prefill", BATCH * CONTEXT)):
+        saved, cost = got[key]
+        expect_prediction(saved, _boundary_us(tokens)[0], f"predicted_boundary_compression_us()['{key}'][0]: "
+                          f"microseconds saved on the 100 GbE link by sending {tokens} hidden states in fp8",
+                          rtol=BOUNDARY_RTOL)
+        expect_prediction(cost, _boundary_us(tokens)[1], f"predicted_boundary_compression_us()['{key}'][1]: "
+                          f"microseconds of the quantize and dequantize kernels for {tokens} hidden states",
+                          rtol=BOUNDARY_RTOL)
+
+
+# ---- task 8: ZeRO / FSDP -------------------------------------------------------------------------------
+
+MODEL_70B = memory.ModelSpec(num_layers=80, hidden_size=8192, num_attention_heads=64, num_kv_heads=8,
+                             head_dim=128, intermediate_size=28672, vocab_size=128256)
+ZERO_WORLD = 64
+
+
+def _zero_gb():
+    """16 B per parameter (bf16 weights 2, bf16 gradients 2, fp32 master + Adam m + v 12), 70.55e9 parameters,
+    64 GPUs: DDP 1128.9 GB, ZeRO-1 (4 + 12/64 B) 295.4, ZeRO-2 (2 + 14/64) 156.5, ZeRO-3 (16/64) 17.6."""
+    p, n = memory.num_params(MODEL_70B), ZERO_WORLD
+    return {"ddp": 16 * p / 1e9, "zero1": (4 + 12 / n) * p / 1e9, "zero2": (2 + 14 / n) * p / 1e9,
+            "zero3": 16 / n * p / 1e9}
+
+
+def _ring_bytes_70b():
+    """One collective over one bf16 layer on 64 GPUs, bytes each GPU sends: 63/64 x 2 B x (8192 x (8192 + 2 x 1024)
+    + 8192 x 8192 (attention) + 3 x 8192 x 28672 (MLP) + 2 x 8192 (norms) = 855.65e6 parameters)."""
+    return (ZERO_WORLD - 1) / ZERO_WORLD * 2 * (8192 * (8192 + 2 * 1024) + 8192 * 8192 + 3 * 8192 * 28672 + 2 * 8192)
+
+
+# Tolerance 1%: the given counts' arithmetic. Rejected slips: Adam's state as 8 B (-25% for DDP, -33% ZeRO-1 ...),
+# ZeRO-2 leaving gradients whole (+90%), ZeRO-3 leaving weights whole (+725%); one all-gather per step instead of
+# two (-50%), the whole tensor sent instead of (N-1)/N (+1.6%), fp32 bytes (+100%).
+ZERO_RTOL = 0.01
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("zero_predictions")
+def test_predicted_zero_memory(student):
+    """MODEL_70B, Adam mixed precision on 64 GPUs, per GPU: DDP 1128.9 GB, ZeRO-1 295.4, ZeRO-2 156.5, ZeRO-3 17.6."""
+    got = student.predicted_zero_memory_gb()
+    expect_equal(sorted(got), ["ddp", "zero1", "zero2", "zero3"], "predicted_zero_memory_gb(): its keys")
+    for stage in ("ddp", "zero1", "zero2", "zero3"):
+        expect_prediction(got[stage], _zero_gb()[stage], f"predicted_zero_memory_gb()['{stage}']: GB per GPU, "
+                          "70B parameters at 16 B each (2 weights, 2 gradients, 12 fp32 Adam state), 64 GPUs",
+                          rtol=ZERO_RTOL)
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("zero_predictions")
+def test_predicted_fsdp_layer_bytes(student):
+    """One decoder layer of 855.65e6 parameters (1.711 GB in bf16) on 64 GPUs: 2 all-gathers x 63/64 = 3.369 GB
+    sent per GPU, one reduce-scatter 1.685 GB."""
+    got = student.predicted_fsdp_layer_bytes()
+    expect_equal(sorted(got), ["all_gather", "reduce_scatter"], "predicted_fsdp_layer_bytes(): its keys")
+    expect_prediction(got["all_gather"], 2 * _ring_bytes_70b(), "predicted_fsdp_layer_bytes()['all_gather']: bytes each GPU "
+                      "sends for one layer's all-gathers in one training step (bf16, ring, 64 GPUs)", rtol=ZERO_RTOL)
+    expect_prediction(got["reduce_scatter"], _ring_bytes_70b(), "predicted_fsdp_layer_bytes()['reduce_scatter']: bytes each GPU "
+                      "sends for one layer's gradient reduce-scatter (bf16, ring, 64 GPUs)", rtol=ZERO_RTOL)
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("fsdp_shard")
+def test_fsdp_shard_by_hand(student):
+    """A layer of a [5] and a [2] tensor (values 0..6) on 3 ranks: flat 0..6 padded to 9, rank 0 [0, 1, 2],
+    rank 1 [3, 4, 5], rank 2 [6, 0, 0]; on 1 rank the whole flat parameter; gathered back, the two tensors."""
+    params = [torch.arange(5, dtype=torch.float32), torch.arange(5, 7, dtype=torch.float32)]
+    got = [student.fsdp_shard(params, r, 3) for r in range(3)]
+    expect_equal([(s.tolist(), str(s.dtype)) for s in got],
+                 [([0.0, 1.0, 2.0], "torch.float32"), ([3.0, 4.0, 5.0], "torch.float32"),
+                  ([6.0, 0.0, 0.0], "torch.float32")], "fsdp_shard([arange(5), arange(5, 7)], rank, 3) for ranks 0-2")
+    expect_equal(student.fsdp_shard(params, 0, 1).tolist(), [float(i) for i in range(7)],
+                 "fsdp_shard([arange(5), arange(5, 7)], 0, 1): the whole flat parameter")
+    expect_equal([t.tolist() for t in student.gather_layer(got, [torch.Size([5]), torch.Size([2])])],
+                 [[0.0, 1.0, 2.0, 3.0, 4.0], [5.0, 6.0]], "gather_layer(the three shards above, [[5], [2]])")
+
+
+MLP_SHAPES = [[torch.Size([6, 5]), torch.Size([6])], [torch.Size([3, 6]), torch.Size([3])]]  # 36 and 21 elements
+
+
+def _mlp_loss(layers, x, y):
+    """Sum of squared errors of a 5 -> 6 -> 3 tanh MLP over the rows of x (each rank's share of the total)."""
+    (w1, b1), (w2, b2) = layers
+    return ((torch.tanh(x @ w1.T + b1) @ w2.T + b2 - y) ** 2).sum()
+
+
+def _adam(p, g, m, v, t, lr=0.05, betas=(0.9, 0.999), eps=1e-8):
+    """One elementwise Adam update, in place (elementwise, so a shard updates exactly like its slice of the
+    whole)."""
+    m.mul_(betas[0]).add_(g, alpha=1 - betas[0])
+    v.mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
+    p.sub_(lr * (m / (1 - betas[0] ** t)) / ((v / (1 - betas[1] ** t)).sqrt() + eps))
+
+
+def _fsdp_data():
+    gen = torch.Generator().manual_seed(8)
+    layers = [[torch.randn(*s, generator=gen, dtype=torch.float64) / 2 for s in shapes] for shapes in MLP_SHAPES]
+    x, y = torch.randn(12, 5, generator=gen, dtype=torch.float64), torch.randn(12, 3, generator=gen, dtype=torch.float64)
+    return layers, x, y
+
+
+def _unsharded_steps(steps):
+    """One process, the whole batch: `steps` Adam steps on the loss summed over all 12 rows."""
+    layers, x, y = _fsdp_data()
+    params = [p.requires_grad_() for layer in layers for p in layer]
+    state = [(torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+    for t in range(1, steps + 1):
+        grads = torch.autograd.grad(_mlp_loss(layers, x, y), params)
+        with torch.no_grad():
+            for p, g, (m, v) in zip(params, grads, state):
+                _adam(p, g, m, v, t)
+    return torch.cat([p.detach().reshape(-1) for layer in layers for p in layer])
+
+
+def _fsdp_steps(student, world, steps):
+    """FSDP on `world` simulated ranks: (every weight gathered after the steps, flattened in order, each rank's
+    shard sizes)."""
+    layers, x, y = _fsdp_data()
+    shards = [[student.fsdp_shard(layer, r, world) for layer in layers] for r in range(world)]
+    moments = [[(torch.zeros_like(s), torch.zeros_like(s)) for s in rank_shards] for rank_shards in shards]
+    rows = x.shape[0] // world
+    for t in range(1, steps + 1):
+        grads = []  # per rank, per layer: the gradients of its own rows
+        for r in range(world):
+            full = [[p.clone().requires_grad_() for p in student.gather_layer([shards[k][i] for k in range(world)],
+                                                                               MLP_SHAPES[i])]
+                    for i in range(len(MLP_SHAPES))]
+            part = slice(r * rows, (r + 1) * rows)
+            loss = _mlp_loss(full, x[part], y[part])
+            flat = torch.autograd.grad(loss, [p for layer in full for p in layer])
+            grads.append([list(flat[:2]), list(flat[2:])])
+        with torch.no_grad():
+            for r in range(world):
+                for i in range(len(MLP_SHAPES)):
+                    reduced = sum(student.fsdp_shard(grads[k][i], r, world) for k in range(world))
+                    _adam(shards[r][i], reduced, *moments[r][i], t)
+    gathered = [p.reshape(-1) for i in range(len(MLP_SHAPES))
+                for p in student.gather_layer([shards[k][i] for k in range(world)], MLP_SHAPES[i])]
+    return torch.cat(gathered), [[s.numel() for s in rank_shards] for rank_shards in shards]
+
+
+@pytest.mark.points(3)
+@pytest.mark.task("fsdp_shard")
+def test_fsdp_step_equals_unsharded(student):
+    """Two Adam steps of a 5 -> 6 -> 3 MLP (layers of 36 and 21 elements) on 4 and on 3 simulated ranks, 12 rows
+    split among them: the weights gathered after the steps equal one process's two steps on all 12 rows (float64,
+    atol 1e-12), and every rank holds ceil(numel / world) elements of each layer (9 and 6 on 4 ranks)."""
+    for world in (4, 3):
+        try:
+            gathered, sizes = _fsdp_steps(student, world, 2)
+        except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+            gathered = sizes = f"{type(exc).__name__}: {exc}"
+        expect_equal(sizes, [[-(-36 // world), -(-21 // world)]] * world,
+                     f"FSDP on {world} ranks: the elements of layer 1 (36) and layer 2 (21) each rank holds")
+        expect_close(gathered, _unsharded_steps(2),
+                     f"FSDP on {world} ranks, two Adam steps (lr 0.05), 12 rows: the gathered weights vs one "
+                     f"process's two steps on all rows (all 57 weights flattened in order)", atol=1e-12)
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("fsdp_shard")
+def test_fsdp_shard_rejects_bad_sizes(student):
+    """world 0, a float world, rank -1, rank == world, a bool rank: ValueError naming world or rank."""
+    params = [torch.ones(4)]
+    for rank, world, name in [(0, 0, "world"), (0, 2.0, "world"), (-1, 2, "rank"), (2, 2, "rank"), (True, 2, "rank")]:
+        expect_raises(ValueError, student.fsdp_shard, params, rank, world, match=name,
+                      message=f"fsdp_shard(params, {rank!r}, {world!r}): a ValueError naming {name}")

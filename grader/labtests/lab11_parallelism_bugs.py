@@ -46,4 +46,28 @@ BUGS = [
     PlantedBug("schedule_one_slot_short", "slots = num_microbatches + num_stages - 1",
                "slots = num_microbatches + num_stages - 2"),
     PlantedBug("zero_microbatches_accepted", "or value < 1:", "or value < 0:"),
+    # interleaved_bubble: v left out (the plain schedule's bubble), or the idle share of section 6 divided by v
+    PlantedBug("interleaved_bubble_ignores_chunks", "return (num_stages - 1) / (num_chunks * num_microbatches)",
+               "return (num_stages - 1) / num_microbatches"),
+    PlantedBug("interleaved_bubble_as_idle_share", "return (num_stages - 1) / (num_chunks * num_microbatches)",
+               "return (num_stages - 1) / (num_chunks * num_microbatches + num_stages - 1)"),
+    # the stage boundary: bf16's 2 bytes counted as saved; the kernels' launches left out of the cost
+    PlantedBug("boundary_saves_both_bytes", "saved = elements * 1 / ETHERNET_BYTES_PER_S",
+               "saved = elements * 2 / ETHERNET_BYTES_PER_S"),
+    PlantedBug("boundary_cost_without_launches", "cost = 2 * KERNEL_LAUNCH_S + elements",
+               "cost = elements"),
+    # ZeRO: Adam's state as 8 B (m and v, the fp32 master forgotten); ZeRO-2 keeping whole gradients
+    PlantedBug("zero_adam_state_without_master",
+               '"ddp": 2 + 2 + 12, "zero1": 2 + 2 + 12 / n, "zero2": 2 + (2 + 12) / n, "zero3": (2 + 2 + 12) / n',
+               '"ddp": 2 + 2 + 8, "zero1": 2 + 2 + 8 / n, "zero2": 2 + (2 + 8) / n, "zero3": (2 + 2 + 8) / n'),
+    PlantedBug("zero2_gradients_not_sharded", '"zero2": 2 + (2 + 12) / n', '"zero2": 2 + 2 + 12 / n'),
+    # FSDP traffic: one all-gather per step (forgetting the backward's), or the whole tensor per GPU
+    PlantedBug("fsdp_one_all_gather", 'return {"all_gather": 2 * ring', 'return {"all_gather": ring'),
+    # fsdp_shard / gather_layer
+    PlantedBug("fsdp_shard_without_padding", "per_rank = -(-flat.numel() // world)", "per_rank = flat.numel() // world"),
+    PlantedBug("fsdp_shard_strided", "return flat[rank * per_rank:(rank + 1) * per_rank].clone()",
+               "return flat[rank::world].clone()"),
+    PlantedBug("fsdp_rank_equal_world_accepted", "not 0 <= rank < world", "not 0 <= rank <= world"),
+    PlantedBug("gather_layer_keeps_padding", "flat = torch.cat(shards)[:sum(sizes)]\n",
+               "flat = torch.cat(shards)\n    sizes[-1] += flat.numel() - sum(sizes)\n"),
 ]
