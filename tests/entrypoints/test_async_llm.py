@@ -39,8 +39,9 @@ def llm():
     engine.shutdown(timeout=5.0, abort=True)
 
 
-def _idle(llm: AsyncLLM, timeout: float = 10.0) -> dict[str, float]:
-    """The stats once nothing is running or waiting and no KV block is held (fails after `timeout`)."""
+def _idle(llm: AsyncLLM, timeout: float = 60.0) -> dict[str, float]:
+    """The stats once nothing is running or waiting and no KV block is held (fails after `timeout`, generous: it
+    only turns an engine that never drains into a failure, on however loaded a machine)."""
     deadline = time.monotonic() + timeout
     while True:
         stats = llm.stats()
@@ -83,19 +84,19 @@ def test_many_threads_and_tasks_get_offline_tokens_and_aborts_free_blocks(llm, e
 
     def thread_main(k: int) -> None:
         try:
-            started.wait(10)
+            started.wait(60)
             asyncio.run(_gather(*(one(i) for i in range(k, len(PROMPTS), 6))))
         except BaseException as e:  # noqa: BLE001 - handed to the test
             errors.append(e)
 
-    start = time.monotonic()
     threads = [threading.Thread(target=thread_main, args=(k,)) for k in range(6)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(100)  # the event is each thread's end; the bound only turns a hang into a failure
     assert not errors, errors
-    assert time.monotonic() - start < 60 and len(results) == len(PROMPTS)
+    assert not [t.name for t in threads if t.is_alive()], "a thread's requests never ended"
+    assert len(results) == len(PROMPTS)
     for i, seen in results.items():
         final = seen[-1].outputs[0]
         if fate[i] == "finish":
