@@ -1,7 +1,7 @@
-"""Lab 01's capacity planner: how many requests fit on a GPU, GPU datasheets, roofline lower bounds of a
-step, the alpha-beta cost of tensor parallelism's all-reduces, and capacity plans (requests/s -> GPUs at a
-tensor-parallel degree). No engine path runs it: it answers sizing questions from a model's shape, with the
-engine's memory model (`memory.py`) for the bytes and FLOPs. Lab 01 has the learner rewrite its seams.
+"""Lab 01's capacity planner: how many requests fit on a GPU, a 4-bit GPTQ model's bytes, GPU datasheets, roofline
+lower bounds of a step, the alpha-beta cost of tensor parallelism's all-reduces, and capacity plans (requests/s ->
+GPUs at a tensor-parallel degree). No engine path runs it: it answers sizing questions from a model's shape, with
+the engine's memory model (`memory.py`) for the bytes and FLOPs. Lab 01 has the learner rewrite its seams.
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from engine_core.memory import (ModelSpec, activation_bytes, dtype_bytes, kv_cache_bytes_per_token, prefill_flops,
-                                weight_bytes)
+from engine_core.memory import (ModelSpec, activation_bytes, dtype_bytes, kv_cache_bytes_per_token, num_params,
+                                prefill_flops, weight_bytes)
 
 
 # seam: lab 01 (grader/seams.py)
@@ -40,6 +40,34 @@ def max_concurrent_requests(gpu_bytes: float, utilization: float, config: Any, c
         return 0
     per_request = math.ceil(context_len / block_size) * block_size * kv_cache_bytes_per_token(config, dtype)
     return int(free // per_request)
+
+
+def _gptq_projections(config: Any) -> list[tuple[int, int, int]]:
+    """(in_features K, out_features N, how many) of the projections of one layer a GPTQ checkpoint quantizes: q, k,
+    v, o, and gate, up, down of every expert. An MoE router stays 16-bit, as GPTQ checkpoints keep it."""
+    s = ModelSpec.of(config)
+    q, kv, h, i = s.num_attention_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.hidden_size, s.intermediate_size
+    experts = s.num_experts or 1
+    return [(h, q, 1), (h, kv, 2), (q, h, 1), (h, i, 2 * experts), (i, h, experts)]
+
+
+# seam: lab 01 (grader/seams.py)
+def int4_weight_bytes(config: Any, group_size: int = 128) -> int:
+    """Bytes of a 4-bit GPTQ model's weights: per quantized linear of K inputs and N outputs the four tensors vLLM's
+    GPTQ loader reads, `qweight` (4 bits per weight, 8 per int32: K N / 2 bytes), `scales` (fp16, one per group of
+    `group_size` input rows and output column), `qzeros` (4 bits per group and column) and `g_idx` (int32 per input
+    row); the embeddings, the LM head, norms, biases and an MoE router stay 16-bit, as in GPTQ checkpoints."""
+    s = ModelSpec.of(config)
+    projections = _gptq_projections(s)
+    if not (isinstance(group_size, int) and group_size >= 1 and all(k % group_size == 0 for k, _, _ in projections)):
+        raise ValueError(f"group_size must be an int >= 1 that divides every projection's input size "
+                         f"{sorted({k for k, _, _ in projections})}, got {group_size!r}")
+    packed = quantized = 0
+    for k, n, count in projections:
+        groups = k // group_size
+        packed += count * (k * n // 2 + 2 * groups * n + groups * n // 2 + 4 * k)  # qweight, scales, qzeros, g_idx
+        quantized += count * k * n
+    return s.num_layers * packed + 2 * (num_params(s) - s.num_layers * quantized)
 
 
 @dataclass(frozen=True)

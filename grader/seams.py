@@ -98,6 +98,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB01, MEMORY, "kv_cache_bytes_per_token", "kv_cache_bytes_per_token"),
     Seam(LAB01, MEMORY, "weight_bytes", "weight_bytes",
          helpers=(f"{MEMORY}.num_params", f"{MEMORY}._layer_params")),
+    Seam(LAB01, CAPACITY_PLANNER, "int4_weight_bytes", "int4_weight_bytes"),  # graded on its own: no engine path
     Seam(LAB01, MEMORY, "activation_bytes", "activation_bytes"),
     Seam(LAB01, CAPACITY_PLANNER, "max_concurrent_requests", "max_concurrent_requests"),
     Seam(LAB01, CAPACITY_PLANNER, "allreduce_seconds", "allreduce_seconds"),

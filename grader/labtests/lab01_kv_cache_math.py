@@ -1,4 +1,5 @@
-"""Official tests of lab 01_kv_cache_math: the capacity model of `engine_core.memory` and `engine_core.capacity_planner`.
+"""Official tests of lab 01_kv_cache_math: the capacity model of `engine_core.memory` and
+`engine_core.capacity_planner`.
 
 Expected values are hand arithmetic on public config.json values, written out here in the
 expected arguments, never the solution's code; the capacity-plan tests search every TP degree
@@ -67,6 +68,7 @@ NVLINK_LATENCY = 5e-6  # GPUSpec.allreduce_latency_s of all three GPUs
 # that the graded one calls, and nothing defined later in the notebook, so a check cell passes before
 # the later tasks are written.
 KV_ONLY, WEIGHTS_ONLY, ACTIVATION_ONLY = ["kv_cache_bytes_per_token"], ["weight_bytes"], ["activation_bytes"]
+INT4_ONLY = ["weight_bytes", "int4_weight_bytes"]
 CONCURRENCY_ONLY = ["kv_cache_bytes_per_token", "weight_bytes", "activation_bytes", "max_concurrent_requests"]
 ALLREDUCE_ONLY = ["allreduce_seconds"]
 BOUNDS_ONLY = ["kv_cache_bytes_per_token", "weight_bytes", "allreduce_seconds", "decode_step_lower_bound",
@@ -176,6 +178,111 @@ def test_weight_bytes_tied_and_biases(student):
         expect_equal(student.weight_bytes(llama, "fp32"),
                      4 * (2 * (64 * (64 + 2 * 16) + 64 * 64 + (64 + 2 * 16) + 64 + 3 * 64 * 96 + 2 * 64) + 100 * 64 + 64),
                      "weight_bytes of a 2-layer tied Llama with attention_bias (q/k/v and o bias, 4:1 heads), fp32")
+
+
+# ---- task 2b: 4-bit GPTQ weights -------------------------------------------------------------
+
+# A GPTQ linear of K inputs and N outputs at group size g holds qweight (K N / 2 bytes: 4 bits each), scales
+# (K/g x N fp16: 2 bytes), qzeros (K/g x N at 4 bits: half a byte) and g_idx (K int32); per layer the projections
+# (K x N) are q, k, v, o, gate, up, down (every expert's); the embedding, LM head, norms (and a router) stay fp16.
+INT4_G128 = {
+    # q, o 4096x4096; k, v 4096x1024; gate, up 4096x14336; down 14336x4096 (112 groups of 128)
+    "Llama-3-8B": 32 * ((2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) // 2
+                        + (2 * 32 * 4096 + 2 * 32 * 1024 + 2 * 32 * 14336 + 112 * 4096) * 5 // 2
+                        + 4 * (6 * 4096 + 14336) + 2 * 2 * 4096)
+    + 2 * (2 * 128256 * 4096 + 4096),  # 5,732,835,328
+    # q, o 8192x8192; k, v 8192x1024; gate, up 8192x28672; down 28672x8192 (224 groups)
+    "Llama-2-70B": 80 * ((2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672) // 2
+                         + (2 * 64 * 8192 + 2 * 64 * 1024 + 2 * 64 * 28672 + 224 * 8192) * 5 // 2
+                         + 4 * (6 * 8192 + 28672) + 2 * 2 * 8192)
+    + 2 * (2 * 32000 * 8192 + 8192),  # 36,638,572,544
+    # 8 experts of gate, up, down; the router 4096x8 in fp16
+    "Mixtral-8x7B": 32 * ((2 * 4096 * 4096 + 2 * 4096 * 1024 + 8 * 3 * 4096 * 14336) // 2
+                          + (2 * 32 * 4096 + 2 * 32 * 1024 + 8 * (2 * 32 * 14336 + 112 * 4096)) * 5 // 2
+                          + 4 * (4 * 4096 + 8 * (2 * 4096 + 14336)) + 2 * 4096 * 8 + 2 * 2 * 4096)
+    + 2 * (2 * 32000 * 4096 + 4096),
+    # q 1024x2048, k, v 1024x1024, o 2048x1024 (16 groups), gate, up 1024x3072, down 3072x1024 (24 groups); q/k
+    # norms of 128; one tied embedding
+    "Qwen3-0.6B": 28 * ((1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 3 * 1024 * 3072) // 2
+                        + (8 * 2048 + 2 * 8 * 1024 + 16 * 1024 + 2 * 8 * 3072 + 24 * 1024) * 5 // 2
+                        + 4 * (5 * 1024 + 2048 + 3072) + 2 * (2 * 1024 + 2 * 128))
+    + 2 * (151936 * 1024 + 1024),
+}
+# Llama-2-7B (32 layers of hidden 4096, 32 KV heads, MLP 11008 = 86 groups of 128, vocabulary 32000), to compare
+# with published checkpoints below.
+LLAMA2_7B = dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                 num_key_value_heads=32, intermediate_size=11008, vocab_size=32000, tie_word_embeddings=False)
+LLAMA2_7B_INT4_G128 = 32 * ((4 * 4096 * 4096 + 3 * 4096 * 11008) // 2
+                            + (4 * 32 * 4096 + 2 * 32 * 11008 + 86 * 4096) * 5 // 2
+                            + 4 * (6 * 4096 + 11008) + 2 * 2 * 4096) + 2 * (2 * 32000 * 4096 + 4096)  # 3,893,862,400
+
+
+def _published_sizes_agree():
+    """The arithmetic above against published GPTQ checkpoints (4 bits, group 128; GB = 1e9 bytes, as listed):
+    TinyLamda/llama-2-7b-4bit-128g's gptq_model-4bit-128g.safetensors (AutoGPTQ, desc_act=False) is 3.89 GB.
+    TheBloke's 2023 files list 3.90 GB (Llama-2-7B-GPTQ, branch main) and 36.65 GB (Llama-2-70B-chat-GPTQ, branch
+    gptq-4bit-128g-actorder_True): the AutoGPTQ of 2023 also wrote an fp16 bias of zeros for every output of each
+    quantized linear (N x 2 bytes; vLLM loads no bias for Llama), and with it both sizes round exactly."""
+    zero_biases_7b = 32 * 2 * (4 * 4096 + 2 * 11008 + 4096)
+    zero_biases_70b = 80 * 2 * (2 * 8192 + 2 * 1024 + 2 * 28672 + 8192)
+    assert round(LLAMA2_7B_INT4_G128 / 1e9, 2) == 3.89, "Llama-2-7B against TinyLamda's checkpoint (a test bug)"
+    assert round((LLAMA2_7B_INT4_G128 + zero_biases_7b) / 1e9, 2) == 3.90, "Llama-2-7B against TheBloke's (a test bug)"
+    assert round((INT4_G128["Llama-2-70B"] + zero_biases_70b) / 1e9, 2) == 36.65, "70B against TheBloke's (a test bug)"
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("predicted_int4_fraction")
+def test_predicted_int4_fraction(student):
+    """The prediction, answered before Task 2b: Llama-3-8B's 4-bit GPTQ weights (group 128) over its bf16 weights:
+    5.73 GB / 16.06 GB = 0.357, not a quarter: the embedding and the LM head (128,256 x 4,096 each, 2.1 GB) stay
+    16-bit and each group of 128 weights carries a 2-byte scale and a 4-bit zero. Tolerance 2%: leaving out g_idx
+    (0.1%) is inside; a quarter (0.25), 4-bit embeddings (0.26) or forgetting the scales and zeros (0.349) are not."""
+    expect_prediction(student.predicted_int4_fraction(), INT4_G128["Llama-3-8B"] / (PARAMS["Llama-3-8B"] * 2),
+                      "predicted_int4_fraction(): Llama-3-8B's 4-bit GPTQ weights (group 128) / its bf16 weights",
+                      rtol=0.02)
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("int4_weight_bytes")
+def test_int4_weight_bytes_llama(student):
+    """Llama-3-8B, Llama-2-70B and Llama-2-7B at group size 128: packed 4-bit weights, fp16 scales, 4-bit zeros,
+    int32 g_idx; embeddings, LM head and norms in 16 bits. The hand numbers match published checkpoints."""
+    _published_sizes_agree()
+    with plug(student, LAB, only=INT4_ONLY):
+        for name in ("Llama-3-8B", "Llama-2-70B"):
+            expect_equal(student.int4_weight_bytes(CONFIGS[name]), INT4_G128[name],
+                         f"int4_weight_bytes({name}): qweight + scales + qzeros + g_idx of every projection, "
+                         f"the rest in 16 bits")
+        expect_equal(student.int4_weight_bytes(LLAMA2_7B, 128), LLAMA2_7B_INT4_G128,
+                     "int4_weight_bytes(Llama-2-7B, 128): 3.89 GB, the size of a published AutoGPTQ checkpoint")
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("int4_weight_bytes")
+def test_int4_weight_bytes_rejects_bad_group_size(student):
+    """A group is group_size input rows of one column: it must divide every projection's input size."""
+    with plug(student, LAB, only=INT4_ONLY):
+        for bad in (100, 0):
+            expect_raises(ValueError, lambda: student.int4_weight_bytes(LLAMA3_8B, bad), match="group_size",
+                          message=f"int4_weight_bytes(Llama-3-8B, group_size={bad}): 4096 and 14336 inputs")
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("int4_weight_bytes")
+def test_int4_weight_bytes_groups_moe_tied(student):
+    """Smaller groups cost more scales (group 32: 4x the scales and zeros); Mixtral's experts are quantized and its
+    router is not; Qwen3-0.6B's one tied embedding stays 16-bit."""
+    with plug(student, LAB, only=INT4_ONLY):
+        for g in (32, 64):
+            groups = 128 // g
+            expect_equal(student.int4_weight_bytes(LLAMA3_8B, g),
+                         INT4_G128["Llama-3-8B"] + 32 * (groups - 1) * (2 * 32 * 4096 + 2 * 32 * 1024 + 2 * 32 * 14336
+                                                                        + 112 * 4096) * 5 // 2,
+                         f"int4_weight_bytes(Llama-3-8B, {g}): {groups}x the scales and zeros of group size 128")
+        expect_equal(student.int4_weight_bytes(MIXTRAL_8X7B), INT4_G128["Mixtral-8x7B"],
+                     "int4_weight_bytes(Mixtral-8x7B): 8 experts in 4 bits, the router in 16")
+        expect_equal(student.int4_weight_bytes(QWEN3_06B), INT4_G128["Qwen3-0.6B"],
+                     "int4_weight_bytes(Qwen3-0.6B): q/k norms and the tied embedding in 16 bits")
 
 
 # ---- task 3: activations and max concurrent requests -----------------------------------------
@@ -410,7 +517,8 @@ def _model_at(name, dtype, tp, batch, prompt, output, gpu):
     bytes per GPU)."""
     config = CONFIGS[name]
     prefill = capacity_planner.prefill_lower_bound(config, dtype, prompt, gpu, tp)
-    tpot = capacity_planner.decode_step_lower_bound(config, dtype, batch, prompt + output // 2, gpu, tp) + batch / output * prefill
+    step = capacity_planner.decode_step_lower_bound(config, dtype, batch, prompt + output // 2, gpu, tp)
+    tpot = step + batch / output * prefill
     kv = KV_ELEMENTS[name] * memory.dtype_bytes(dtype) * max(1, 8 // tp) // 8  # all four models have 8 KV heads
     per_gpu = PARAMS[name] * memory.dtype_bytes(dtype) / tp + batch * math.ceil((prompt + output) / 16) * 16 * kv
     return prefill + tpot, tpot, batch / (output * tpot), per_gpu

@@ -34,6 +34,15 @@ BUGS = [
     PlantedBug("allreduce_latency_once_per_step", "return 2 * s.num_layers * one",
                "return 2 * s.num_layers * (one - gpu.allreduce_latency_s) + gpu.allreduce_latency_s"),
     PlantedBug("allreduce_once_per_layer", "return 2 * s.num_layers * one", "return s.num_layers * one"),
+    # 4-bit GPTQ weights
+    PlantedBug("int4_forgets_group_scales", "layer_int4 += groups * n * 2  # scales", "layer_int4 += 0  # scales"),
+    PlantedBug("int4_zeros_in_fp16", "layer_int4 += groups * n // 2  # qzeros",
+               "layer_int4 += groups * n * 2  # qzeros"),
+    PlantedBug("int4_quantizes_embeddings", "return s.num_layers * layer_int4 + rest",
+               "return s.num_layers * layer_int4 + rest // 4"),
+    PlantedBug("int4_quantizes_the_router", "[(h, i), (h, i), (i, h)] * (s.num_experts or 1)",
+               "[(h, i), (h, i), (i, h)] * (s.num_experts or 1) + [(h, s.num_experts)] * bool(s.num_experts)"),
+    PlantedBug("prediction_int4_is_a_quarter", "return (int4 + rest) / (params * 2)", "return 0.25"),
     # the prediction
     PlantedBug("prediction_forgets_the_kv", "return (weights + kv) / 3.35e12 * 1e3", "return weights / 3.35e12 * 1e3"),
 ]

@@ -176,3 +176,37 @@ def test_tp_degrees_shard_heads_like_vllm() -> None:
     assert capacity_planner.tp_degrees(qwen2_7b_like, 8) == [1, 2, 4]
     with pytest.raises(ValueError, match="tp"):
         capacity_planner.check_tp(qwen2_7b_like, 8)
+
+
+def test_int4_weight_bytes_by_hand_and_against_published_checkpoints() -> None:
+    """Per projection of K inputs, N outputs at group 128: K N / 2 (qweight) + K/128 N x 2.5 (fp16 scales, 4-bit
+    zeros) + 4 K (g_idx); the rest fp16. Llama-2-7B's 4-bit group-128 AutoGPTQ file (TinyLamda/llama-2-7b-4bit-128g
+    on the Hugging Face Hub) is 3.89 GB; TheBloke's 2023 files, which add a zero fp16 bias per output of each
+    quantized linear, list 3.90 GB (Llama-2-7B-GPTQ) and 36.65 GB (Llama-2-70B-chat-GPTQ, group 128)."""
+    llama2_7b = dict(LLAMA3_8B, num_key_value_heads=32, intermediate_size=11008, vocab_size=32000)
+    layer = (4 * 4096 * 4096 + 3 * 4096 * 11008) // 2 + (4 * 32 * 4096 + 2 * 32 * 11008 + 86 * 4096) * 5 // 2 \
+        + 4 * (6 * 4096 + 11008) + 2 * 2 * 4096
+    int4_7b = capacity_planner.int4_weight_bytes(llama2_7b)
+    assert int4_7b == 32 * layer + 2 * (2 * 32000 * 4096 + 4096) == 3_893_862_400
+    assert round(int4_7b / 1e9, 2) == 3.89
+    assert round((int4_7b + 32 * 2 * (4 * 4096 + 3 * 11008)) / 1e9, 2) == 3.90
+    int4_70b = capacity_planner.int4_weight_bytes(LLAMA2_70B)
+    assert round((int4_70b + 80 * 2 * (2 * 8192 + 2 * 1024 + 2 * 28672 + 8192)) / 1e9, 2) == 36.65
+    # Llama-3-8B keeps 2.1 GB of embeddings in 16 bits: a third of its bf16 bytes, not a quarter
+    assert capacity_planner.int4_weight_bytes(LLAMA3_8B) == 5_732_835_328
+    assert 0.35 < 5_732_835_328 / (LLAMA3_8B_PARAMS * 2) < 0.36
+    # smaller groups: more scales and zeros; an MoE router stays 16-bit
+    assert capacity_planner.int4_weight_bytes(LLAMA3_8B, 32) > capacity_planner.int4_weight_bytes(LLAMA3_8B, 64) \
+        > 5_732_835_328
+    experts = MIXTRAL_8X7B["num_local_experts"]
+    moe = capacity_planner.int4_weight_bytes(MIXTRAL_8X7B) - capacity_planner.int4_weight_bytes(
+        dict(MIXTRAL_8X7B, num_local_experts=0, num_experts_per_tok=0))
+    one_expert = (3 * 4096 * 14336 // 2 + (2 * 32 * 14336 + 112 * 4096) * 5 // 2  # qweight; scales, qzeros
+                  + 4 * (2 * 4096 + 14336))  # g_idx
+    assert moe == 32 * ((experts - 1) * one_expert + 2 * 4096 * experts)  # 7 more experts, the router in fp16
+
+
+@pytest.mark.parametrize("group_size", [0, 100, 1.5])
+def test_int4_weight_bytes_rejects_a_group_size_that_does_not_divide(group_size) -> None:
+    with pytest.raises(ValueError, match="group_size"):
+        capacity_planner.int4_weight_bytes(LLAMA3_8B, group_size)
