@@ -369,6 +369,8 @@ def check_invariants(sched: Scheduler) -> None:
     where: dict = {}
     for rid, table in kvm.req_to_blocks.items():
         for i, b in enumerate(table):
+            if b.block_id < 0:  # NULL_BLOCK: a slot freed by a sliding window or an eviction
+                continue
             holders[b.block_id] += 1
             where.setdefault(b.block_id, []).append((rid, i))
     for b in kvm.block_pool.blocks:
