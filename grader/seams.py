@@ -170,6 +170,11 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB08, KV_SCALES, "amax_per_head", "amax_per_head"),
     Seam(LAB08, f"{KV_SCALES}.KVAmax", "scales", "scales", _state(f"{KV_SCALES}.KVAmax", "key", "value")),
     Seam(LAB08, KERNELS_REFERENCE, "reshape_and_cache", "reshape_and_cache"),
+    # kv_cache_dtype="int8": the engine's cache write and every attention read call these two
+    Seam(LAB08, "kernels.int8_kv", "quantize_int8", "quantize_int8"),
+    Seam(LAB08, "kernels.int8_kv", "dequantize_int8", "dequantize_int8"),
+    # graded on its own: the engine's int8 cache keeps static scales, not one per token and head
+    Seam(LAB08, "kernels.int8_kv", "quantize_int8_per_token_head", "quantize_int8_per_token_head"),
 
     # the verifiers (the engine's RejectionSampler calls greedy_verify and rejection_sample on every speculating
     # request) and the proposer; residual_probs is graded on its own: only a draft distribution q reaches it,
@@ -218,6 +223,10 @@ SEAMS: tuple[Seam, ...] = (
     # checkpoint formats, graded on their own (no loader calls them yet)
     Seam(LAB13, f"{QUANT}.gptq", "unpack_gptq_qzeros", "unpack_gptq_qzeros"),
     Seam(LAB13, f"{QUANT}.gguf_q4_1", "dequantize_q4_1", "dequantize_q4_1"),
+    # calibrated 4-bit, graded on their own on one layer (no engine path quantizes with calibration data yet)
+    Seam(LAB13, f"{QUANT}.gptq_update", "gptq_quantize", "gptq_quantize"),
+    Seam(LAB13, f"{QUANT}.awq_search", "awq_search_scale", "awq_search_scale",
+         helpers=(f"{QUANT}.awq_search.awq_fake_quantize",)),
     # lab 14: the hot loop's pieces, each with a slow variant in grader/slow_engine (the learner's fix)
     Seam(LAB14, ATTENTION_PLAN, "write_kv", "write_kv", _state(ATTENTION_PLAN, "ops", "meta")),
     Seam(LAB14, ATTENTION_PLAN, "attend", "attend",

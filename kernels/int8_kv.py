@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.fp8 import per_head, scale_from_amax
+from kernels.fp8 import per_head
 
 INT8_MAX = 127  # symmetric: -128 is never stored
 
@@ -27,11 +27,6 @@ def int8_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """amax / 127 in fp32 (1 where amax is 0: any scale stores zeros exactly)."""
     amax = amax.float()
     return torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
-
-
-def kv_scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The scale of a quantized KV cache of `dtype`: int8's amax / 127, or fp8's `scale_from_amax`."""
-    return int8_scale_from_amax(amax) if dtype == torch.int8 else scale_from_amax(amax, dtype)
 
 
 # seam: lab 08 (grader/seams.py)

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from engine_core.models.loader import CheckpointReader
-from kernels.fp8 import fp8_max, kv_storage_dtype
-from kernels.int8_kv import kv_scale_from_amax
+from kernels.fp8 import fp8_max, kv_storage_dtype, scale_from_amax
+from kernels.int8_kv import int8_scale_from_amax
 
 FILE_FORMAT = "inference-labs.kv_amax"
 CHECKPOINT_FORMAT = torch.float8_e4m3fn  # what FP8 checkpoints' k_scale / v_scale were computed for
@@ -54,7 +54,12 @@ class KVAmax:
         """Per layer, the K and V scales for an fp8 or int8 `dtype` cache: shape `[num_kv_heads]` if `per_head`,
         else `[]` (the layer's largest value over its heads). A per-tensor source gives `[1]` rows."""
         k, v = (x if per_head else x.amax(dim=1) for x in (self.key, self.value))
-        return list(kv_scale_from_amax(k, dtype)), list(kv_scale_from_amax(v, dtype))
+        return list(_scale_from_amax(k, dtype)), list(_scale_from_amax(v, dtype))
+
+
+def _scale_from_amax(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The scale for a cache of `dtype`: int8's amax / 127, or fp8's `scale_from_amax`."""
+    return int8_scale_from_amax(amax) if dtype == torch.int8 else scale_from_amax(amax, dtype)
 
 
 # seam: lab 08 (grader/seams.py)
@@ -74,7 +79,7 @@ class DynamicScales:
         cache = self.kv_cache
         for scale, x in ((cache.k_scale[layer], key), (cache.v_scale[layer], value)):
             amax = amax_per_head(x)
-            scale.copy_(kv_scale_from_amax(amax if self.per_head else amax.amax(), cache.dtype))
+            scale.copy_(_scale_from_amax(amax if self.per_head else amax.amax(), cache.dtype))
         if layer == cache.num_layers - 1:
             cache.observer = None
 

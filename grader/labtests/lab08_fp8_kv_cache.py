@@ -357,6 +357,151 @@ def test_engine_fp8_calibrated_per_head(student, tmp_path):
                  "6 prompts, 16 greedy tokens each, fp8 KV with those calibrated per-head scales: tokens")
 
 
+# ---- task 5b: int8 beside fp8 --------------------------------------------------------------------
+
+def _int8_codes64(x, scale):
+    """clamp(round(x / s), -127, 127) in float64 (a [H] scale per KV head): what an int8 store must hold."""
+    s = scale.double()[:, None] if isinstance(scale, torch.Tensor) and scale.dim() == 1 else torch.tensor(scale).double()
+    return torch.round(x.double() / s).clamp(-127, 127)
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("int8_kv")
+def test_int8_round_trip_by_hand(student):
+    """scale 0.25: 0.125 -> 0.5 rounds half to even, 0; 0.375 -> 1.5 -> 2; -1.0 -> -4; 40 -> 160 saturates at 127;
+    -inf -> -127 (symmetric: -128 is never stored). Read back: code * 0.25."""
+    x = torch.tensor([[[0.125, 0.375, -1.0, 40.0, float("-inf")]]])
+    with plug(student, LAB, only=["quantize_int8", "dequantize_int8"]):
+        codes = student.quantize_int8(x, 0.25)
+        back = student.dequantize_int8(codes, 0.25, torch.float32)
+    expect_equal((str(codes.dtype), codes.tolist()), ("torch.int8", [[[0, 2, -4, 127, -127]]]),
+                 "quantize_int8([[[0.125, 0.375, -1.0, 40.0, -inf]]], 0.25): (dtype, codes)")
+    expect_equal((str(back.dtype), back.tolist()), ("torch.float32", [[[0.0, 0.5, -1.0, 31.75, -31.75]]]),
+                 "dequantize_int8(those codes, 0.25, torch.float32)")
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("int8_kv")
+def test_int8_per_head_scales_equal_float64(student):
+    """40 tokens x 3 KV heads x 16, per-head scales [2^-7, 2^-4, 2^-2] (powers of two divide exactly, so fp32
+    codes equal float64's) and a 0-dim scale: the codes and the values read back (bf16 too) equal float64's."""
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(40, 3, 16, generator=gen) * torch.tensor([0.5, 4.0, 30.0])[:, None]
+    scale = torch.tensor([2.0**-7, 2.0**-4, 2.0**-2])
+    with plug(student, LAB, only=["quantize_int8", "dequantize_int8"]):
+        codes = student.quantize_int8(x, scale)
+        back = student.dequantize_int8(codes, scale, torch.bfloat16)
+        tensor_codes = student.quantize_int8(x, torch.tensor(0.125))
+    expect_equal(codes.tolist(), _int8_codes64(x, scale).long().tolist(),
+                 "quantize_int8(x [40, 3, 16], per-head scales [2^-7, 2^-4, 2^-2]): the codes (head 2 saturates)")
+    expect_equal(back.float().tolist(), (_int8_codes64(x, scale) * scale.double()[:, None]).to(torch.bfloat16)
+                 .float().tolist(), "dequantize_int8(those codes, the same scales, torch.bfloat16)")
+    expect_equal(tensor_codes.tolist(), _int8_codes64(x, 0.125).long().tolist(),
+                 "quantize_int8(x, tensor(0.125)): one scale for every head")
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("int8_kv")
+def test_int8_per_token_head(student):
+    """9 tokens x 2 heads x 128, token 4 1000x larger, token 7's head 1 all zero: scales [9, 2] fp32 equal to each
+    vector's amax / 127 (1 for the zero vector) within 1e-6, the codes round(x / scale); 132 bytes per head vector
+    (128 codes + a 4-byte scale)."""
+    gen = torch.Generator().manual_seed(22)
+    x = torch.randn(9, 2, 128, generator=gen)
+    x[4] *= 1000.0
+    x[7, 1] = 0.0
+    with plug(student, LAB, only=["quantize_int8_per_token_head"]):
+        codes, scales = student.quantize_int8_per_token_head(x)
+    amax = x.double().abs().amax(dim=-1)
+    expect_equal([str(codes.dtype), list(codes.shape), str(scales.dtype), list(scales.shape)],
+                 ["torch.int8", [9, 2, 128], "torch.float32", [9, 2]],
+                 "quantize_int8_per_token_head(x [9, 2, 128]): codes and scales, dtypes and shapes")
+    expect_close(scales.double(), torch.where(amax > 0, amax / 127, torch.ones_like(amax)),
+                 "the scales: each head vector's max |x| / 127, 1 for token 7's all-zero head 1", rtol=1e-6, atol=0)
+    expect_equal(codes.tolist(), torch.round(x.double() / scales.double()[..., None]).long().tolist(),
+                 "the codes: round(x / its vector's scale)")
+    expect_equal(codes[0, 0].nbytes + scales[0, 0].nbytes, 132, "bytes of one head vector: codes + its scale")
+
+
+def _round_trip_errors64(x):
+    """The three one-byte stores of K, written here: mean over head vectors of ||x_hat - x|| / ||x|| (float64)."""
+    amax = x.abs().amax(dim=(0, 2)).double()
+    x64 = x.double()
+
+    def relative(x_hat):
+        return ((x_hat - x64).norm(dim=-1) / x64.norm(dim=-1)).mean().item()
+
+    fp8_scale = (amax / 448.0).float()
+    int8_scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    token_scale = x64.abs().amax(dim=-1, keepdim=True) / 127
+    return {"fp8_e4m3": relative(_cast(x, fp8_scale).double() * fp8_scale.double()[:, None]),
+            "int8": relative(_int8_codes64(x, int8_scale.float()) * int8_scale.float().double()[:, None]),
+            "int8_per_token_head": relative(torch.round(x64 / token_scale).clamp(-127, 127) * token_scale)}
+
+
+ROUND_TRIPS = ("fp8_e4m3", "int8", "int8_per_token_head")
+
+
+def _k_like(outlier):
+    gen = torch.Generator().manual_seed(23)
+    x = torch.randn(64, 2, 16, generator=gen) * torch.tensor([1.0, 4.0])[:, None]
+    if outlier:
+        x[10] *= 30.0
+    return x
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("round_trip_errors")
+def test_round_trip_errors_against_fp8(student):
+    """K-like values, 64 tokens x 2 heads (scales 1 and 4) x 16, without and with token 10 30x larger. Without:
+    int8 per head 0.0086, e4m3 0.026 (int8's even steps are 3x finer); with the outlier the static int8 scale is
+    set by it: int8 0.18, e4m3 still 0.026; per token and head int8 0.0047 in both. Each within 1e-4 relative
+    of the float64 specification (fp32 quantization against float64 arithmetic)."""
+    for outlier in (False, True):
+        with plug(student, LAB, only=["quantize_int8", "dequantize_int8", "quantize_int8_per_token_head",
+                                      "quantize_fp8", "dequantize_fp8", "scale_from_amax", "amax_per_head"]):
+            got = student.round_trip_errors(_k_like(outlier))
+        expect_equal(sorted(got), list(ROUND_TRIPS), "round_trip_errors(x): its keys")
+        expect_close([got[k] for k in ROUND_TRIPS], [_round_trip_errors64(_k_like(outlier))[k] for k in ROUND_TRIPS],
+                     f"round_trip_errors(K-like x [64, 2, 16]{', token 10 x30' if outlier else ''}): mean relative "
+                     f"error per head vector of fp8_e4m3, int8, int8_per_token_head", rtol=1e-4, atol=0)
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("predicted_int8_kv_bytes")
+def test_predicted_int8_kv_bytes(student):
+    """Llama-3-8B: 2 x 32 layers x 8 KV heads = 512 head vectors per token of 128 values: bf16 131,072 bytes, fp8
+    65,536 (scales per tensor or head: nothing per token), int8_per_token_head 512 x (128 + 4) = 67,584 (3 % more
+    than fp8). Exact: K and V forgotten halves them, a 2-byte scale gives 66,560."""
+    got = student.predicted_int8_kv_bytes()
+    expect_equal(sorted(got), ["bf16", "fp8", "int8_per_token_head"], "predicted_int8_kv_bytes(): its keys")
+    for name, want in (("bf16", 131_072), ("fp8", 65_536), ("int8_per_token_head", 67_584)):
+        expect_prediction(got[name], want, f"predicted_int8_kv_bytes()[{name!r}]: KV bytes per token of Llama-3-8B",
+                          rtol=0)
+
+
+@functools.cache
+def _reference_int8():
+    run = run_engine([WAVE], kv_cache_dtype="int8", calculate_kv_scales=True, kv_scales_per_head=True, **ENGINE)
+    return run.tokens, _scales(run)
+
+
+@pytest.mark.points(2)
+@pytest.mark.end_to_end
+@pytest.mark.task("int8_kv")
+def test_engine_int8_kv(student):
+    """tiny-llama with kv_cache_dtype="int8", per-head scales from the first batch: your reshape_and_cache writes
+    every token with your quantize_int8 (a notebook name, so quantize_int8 itself is left out of the plug), every
+    attention read calls your dequantize_int8, the first batch's maxima come from your amax_per_head; the tokens
+    and scales equal the reference engine's."""
+    with plug(student, LAB, only=["reshape_and_cache", "dequantize_int8", "amax_per_head"]) as plugged:
+        int8 = run_engine([WAVE], kv_cache_dtype="int8", calculate_kv_scales=True, kv_scales_per_head=True, **ENGINE)
+    setup = "6 prompts of 12-17 tokens, 16 greedy tokens each, kv_cache_dtype='int8', per-head dynamic scales"
+    expect_equal(plugged.uncalled(), [], f"{setup}: your functions the engine never called")
+    expect_equal(int8.tokens, _reference_int8()[0], f"{setup}: tokens")
+    expect_close(_scales(int8), _reference_int8()[1], f"{setup}: k_scale then v_scale per layer", rtol=1e-6)
+
+
 # ---- task 6: capacity and the prediction ---------------------------------------------------------
 
 LLAMA3_8B = dict(model_type="llama", num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,

@@ -67,6 +67,31 @@ BUGS = [
                "values = packed[:, None, :] >> shifts[None, :, None]"),
     PlantedBug("gptq_zero_minus_one_missing", "return values.reshape(qzeros.shape[0], -1) + 1",
                "return values.reshape(qzeros.shape[0], -1)"),
+    # GPTQ's update
+    PlantedBug("gptq_no_damping", "    h.diagonal().add_(damp_percent * h.diagonal().mean())\n", ""),
+    # RTN with each group's range taken from drifting columns: the error never moves on
+    PlantedBug("gptq_no_error_propagation", "        weight[:, i:] -= err[:, None] * u[i, i:][None, :]\n", ""),
+    PlantedBug("gptq_hessian_not_inverted",
+               "u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)",
+               "u = torch.linalg.cholesky(h, upper=True)"),
+    PlantedBug("gptq_error_not_divided_by_diagonal", "err = (weight[:, i] - (code - zeros[g]) * scales[g]) / u[i, i]",
+               "err = weight[:, i] - (code - zeros[g]) * scales[g]"),
+    # the update along column i of U (the lower factor's row) instead of row i: the wrong columns move
+    PlantedBug("gptq_update_along_a_column_of_u", "weight[:, i:] -= err[:, None] * u[i, i:][None, :]",
+               "weight[:, i:] -= err[:, None] * u[i:, i][None, :]"),
+    # each group's scale and zero from the weights as loaded, not as updated (AutoGPTQ's static_groups=False)
+    PlantedBug("gptq_groups_from_original_weights", "group = weight[:, i:i + group_size]",
+               "group = w.double()[:, i:i + group_size]"),
+    # AWQ's scale search
+    PlantedBug("awq_scale_on_the_wrong_side", "quantize_groupwise(w.float() * s[None, :], bits, group_size)",
+               "quantize_groupwise(w.float() / s[None, :], bits, group_size)",
+               more=(("dequantize_groupwise(q, scales, zeros, group_size) / s[None, :]",
+                      "dequantize_groupwise(q, scales, zeros, group_size) * s[None, :]"),)),
+    PlantedBug("awq_not_scaled_back", "w_hat = dequantize_groupwise(q, scales, zeros, group_size) / s[None, :]",
+               "w_hat = dequantize_groupwise(q, scales, zeros, group_size)"),
+    PlantedBug("awq_max_not_mean", "x_mean = x.float().abs().reshape(-1, x.shape[-1]).mean(dim=0)",
+               "x_mean = x.float().abs().reshape(-1, x.shape[-1]).amax(dim=0)"),
+    PlantedBug("awq_grid_reaches_one", "alpha = i / n_grid", "alpha = i / (n_grid - 1)"),
     # Q4_1
     PlantedBug("q4_1_min_added_before_scaling", "return (q.float() * d + m).reshape(-1)",
                "return ((q.float() + m) * d).reshape(-1)"),
