@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from engine_helpers import pool_is_whole
+from engine_helpers import check_engine, pool_is_whole, run_to_end
 
-from engine_core import LLM, SamplingParams
+from engine_core import LLM, LLMEngine, SamplingParams
 from engine_core.core.kv_cache_manager import NULL_BLOCK
 from engine_core.presets import preset_path
 
@@ -142,3 +142,28 @@ def test_bad_settings_are_refused(kwargs, match):
 def test_eviction_with_a_sliding_window_is_refused():
     with pytest.raises(ValueError, match="kv_eviction='h2o' is not supported with the model's sliding_window=12"):
         LLM("tiny-mistral-swa", num_gpu_blocks=8, kv_eviction="h2o", kv_budget_tokens=64)
+
+
+def test_a_failed_step_is_recovered_without_a_leak():
+    """A step that raises after evictions: the engine recovers (every request recomputed from its tokens, then
+    evicted anew, so its tokens may differ from an uninterrupted run's: docs/long_context.md), stays consistent
+    and frees every block."""
+    engine = LLMEngine.from_kwargs("tiny-llama", kv_eviction="h2o", **SETTINGS)
+    requests = [engine.add_request(str(i), p, GREEDY) for i, p in enumerate(_prompts())]
+    real, calls = engine.scheduler.update_from_output, []
+
+    def flaky(*args):
+        calls.append(1)
+        out = real(*args)
+        if len(calls) == 12:
+            raise TypeError("injected")
+        return out
+
+    engine.scheduler.update_from_output = flaky
+    with pytest.raises(TypeError, match="injected"):
+        for _ in range(12):
+            engine.step()
+    assert engine.stats()["num_blocks_evicted"] > 0
+    check_engine(engine)
+    run_to_end(engine, check=True)
+    assert all(len(r.output_token_ids) == NUM_NEW for r in requests) and pool_is_whole(engine)

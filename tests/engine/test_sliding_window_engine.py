@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 import transformers
-from engine_helpers import pool_is_whole
+from engine_helpers import check_engine, pool_is_whole, run_to_end
 
-from engine_core import LLM, SamplingParams
+from engine_core import LLM, LLMEngine, SamplingParams
 from engine_core.core.kv_cache_manager import NULL_BLOCK
 from engine_core.presets import PRESETS, preset_path
 
@@ -112,3 +112,27 @@ def test_qwen2_with_full_attention_layers_is_refused(tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="max_window_layers=1"):
         LLM(str(folder), num_gpu_blocks=8)
+
+
+def test_a_failed_step_is_recovered_with_the_same_tokens(hf_tokens):
+    """A step that raises after the scheduler freed out-of-window blocks: every request is recomputed (windowed KV
+    depends on the tokens alone), ends with HF's tokens, and no block leaks."""
+    engine = LLMEngine.from_kwargs(PRESET, block_size=4, num_gpu_blocks=128, max_num_batched_tokens=16)
+    requests = [engine.add_request(str(i), p, GREEDY) for i, p in enumerate(_prompts())]
+    real, calls = engine.scheduler.update_from_output, []
+
+    def flaky(*args):
+        calls.append(1)
+        out = real(*args)
+        if len(calls) == 8:
+            raise TypeError("injected")
+        return out
+
+    engine.scheduler.update_from_output = flaky
+    with pytest.raises(TypeError, match="injected"):
+        for _ in range(8):
+            engine.step()
+    assert engine.stats()["num_blocks_out_of_window"] > 0
+    check_engine(engine)
+    run_to_end(engine, check=True)
+    assert [r.output_token_ids for r in requests] == hf_tokens and pool_is_whole(engine)
