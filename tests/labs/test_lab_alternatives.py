@@ -320,6 +320,38 @@ if residual is not None:
 return y
 """
 
+# lab 13: GPTQ as AutoGPTQ writes it, lazy batch updates over blocks of 16 columns (the later columns updated
+# once per block), the inverse from torch.linalg.inv rather than cholesky_inverse
+GPTQ_BLOCKED = """\
+n, k = w.shape
+maxq = 2**bits - 1
+weight = w.double().clone()
+h = hessian.double() + damp_percent * hessian.double().diagonal().mean() * torch.eye(k, dtype=torch.float64)
+u = torch.linalg.cholesky(torch.linalg.inv(h), upper=True)
+q = torch.zeros(n, k, dtype=torch.int32)
+scales = torch.zeros(k // group_size, n)
+zeros = torch.zeros(k // group_size, n, dtype=torch.int32)
+block = 16
+s = z = None
+for b0 in range(0, k, block):
+    b1 = min(b0 + block, k)
+    w_blk, err_blk = weight[:, b0:b1].clone(), torch.zeros(n, b1 - b0, dtype=torch.float64)
+    for j in range(b1 - b0):
+        i = b0 + j
+        if i % group_size == 0:  # group starts fall on block starts here: every column of the group is current
+            cols = torch.cat([w_blk[:, j:], weight[:, b1:]], dim=1)[:, :group_size]
+            lo, hi = cols.amin(dim=1).clamp(max=0), cols.amax(dim=1).clamp(min=0)
+            s = torch.where(hi > lo, (hi - lo) / maxq, torch.ones_like(hi))
+            z = torch.round(-lo / s)
+            scales[i // group_size], zeros[i // group_size] = s.float(), z.to(torch.int32)
+        code = torch.clamp(torch.round(w_blk[:, j] / s) + z, 0, maxq)
+        q[:, i] = code.to(torch.int32)
+        err_blk[:, j] = (w_blk[:, j] - (code - z) * s) / u[i, i]
+        w_blk[:, j:] -= err_blk[:, j, None] * u[i, i:b1][None, :]
+    weight[:, b1:] -= err_blk @ u[b0:b1, b1:]
+return q, scales, zeros
+"""
+
 # lab 13: nibbles ORed in one at a time, words kept unsigned in int64 until the end
 PACK = """\
 per = 32 // bits
@@ -545,6 +577,9 @@ ALTERNATIVES = [
     Alternative("13_weight_quantization", "int8_linear_apply", "scales_first", W8A8_APPLY,
                 ("test_w8a8_linear_scale_algebra", "test_w8a8_linear_bias_residual_bf16_empty",
                  "test_w8a8_no_python_loop_over_rows", "test_engine_smollm2_w8a8")),
+    Alternative("13_weight_quantization", "gptq_quantize", "lazy_blocks", GPTQ_BLOCKED,
+                ("test_gptq_matches_a_float64_reference", "test_gptq_beats_round_to_nearest",
+                 "test_gptq_singular_hessian_needs_damping", "test_gptq_beats_rtn_on_smollm2")),
     Alternative("13_weight_quantization", "pack_along_k", "or_nibbles", PACK,
                 ("test_pack_layout_by_hand", "test_pack_round_trip_is_bit_exact",
                  "test_rtn_linear_on_your_functions")),
