@@ -31,6 +31,7 @@ from typing import Any, AsyncIterator, Callable, TypeVar
 
 from engine_core.engine import LLMEngine
 from engine_core.exceptions import EngineDeadError
+from engine_core.lora.request import LoRARequest
 from engine_core.prompts import PromptType
 from engine_core.request import Request, RequestOutput, SamplingParams
 from engine_core.validation import check_int
@@ -106,6 +107,7 @@ class _Add:
     priority: int
     mailbox: _Mailbox
     future: concurrent.futures.Future
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -161,14 +163,14 @@ class AsyncLLM:
 
     # ---- the callers' side (any thread) ----------------------------------------------------
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request, the last one `.finished`. The first `__anext__` raises what
         add_request raises (ValueError naming the parameter), QueueFullError or EngineDeadError,
         and then nothing is queued. Leaving early (break, a cancelled task) aborts the request."""
         mailbox = _Mailbox(asyncio.get_running_loop())
         future: concurrent.futures.Future = concurrent.futures.Future()
         finished = False
-        self._submit(_Add(request_id, prompt, sampling_params, priority, mailbox, future))
+        self._submit(_Add(request_id, prompt, sampling_params, priority, mailbox, future, lora_request))
         try:
             await asyncio.wrap_future(future)
             while not finished:
@@ -283,7 +285,8 @@ class AsyncLLM:
                 f"{self.max_waiting_requests}); request {command.request_id!r} refused, retry later"))
             return
         try:
-            request = self.engine.add_request(command.request_id, command.prompt, command.params, command.priority)
+            request = self.engine.add_request(command.request_id, command.prompt, command.params, command.priority,
+                                              lora_request=command.lora_request)
         except Exception as e:  # ValueError names the parameter; anything else is reported, never lost
             command.future.set_exception(e)
             return

@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="requests waiting for admission beyond which new ones get a 503")
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="PEFT adapter folders served under NAME (a request's model), with --enable-lora")
     names = engine_options(parser)
     args = parser.parse_args(argv)
     engine_args: dict[str, Any] = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
@@ -53,16 +55,33 @@ def main(argv: list[str] | None = None) -> None:
     from engine_core.entrypoints.openai.api_server import build_app
 
     template = Path(args.chat_template).read_text() if args.chat_template else None
+    lora_modules = lora_module_requests(parser, args.lora_modules, engine_args)
     try:
         llm = AsyncLLM.from_kwargs(args.model, max_waiting_requests=args.max_waiting_requests, **engine_args)
     except ValueError as e:  # an engine argument or the model folder: say which, no traceback
         parser.error(str(e))
-    app = build_app(llm, args.served_model_name or args.model, template)
+    app = build_app(llm, args.served_model_name or args.model, template, lora_modules)
     try:
         # streams still open at Ctrl-C get 5 s, then go (their requests are aborted below)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:
         llm.shutdown(timeout=5.0, abort=True)
+
+
+def lora_module_requests(parser: argparse.ArgumentParser, specs: list[str], engine_args: dict[str, Any]) -> dict:
+    """`--lora-modules NAME=PATH ...` -> {NAME: LoRARequest} (ids from 1, in order); parser errors name the flag.
+    The folders are read and checked against the model at each adapter's first request (lab 09)."""
+    from engine_core.lora.request import LoRARequest
+
+    if specs and not engine_args.get("enable_lora"):
+        parser.error("--lora-modules needs --enable-lora")
+    found: dict[str, LoRARequest] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path or name in found or not Path(path).is_dir():
+            parser.error(f"--lora-modules takes NAME=PATH with a unique NAME and an existing folder, got {spec!r}")
+        found[name] = LoRARequest(name, len(found) + 1, path)
+    return found
 
 
 if __name__ == "__main__":

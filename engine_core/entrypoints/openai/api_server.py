@@ -33,6 +33,7 @@ from engine_core.entrypoints.openai.serving import (
     ChoiceEvent, Merged, OpenAIError, TextTracker, Timings, build_sampling_params, choice_seed, param_of,
     run_choice, stop_strings)
 from engine_core.exceptions import EngineDeadError
+from engine_core.lora.request import LoRARequest
 
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
 
@@ -95,7 +96,11 @@ def _message_dict(message: ChatMessage) -> dict[str, str]:
     return {"role": message.role, "content": content or ""}
 
 
-def build_app(llm: AsyncLLM, served_model_name: str, chat_template: str | None = None) -> FastAPI:
+def build_app(llm: AsyncLLM, served_model_name: str, chat_template: str | None = None,
+              lora_modules: dict[str, LoRARequest] | None = None) -> FastAPI:
+    """The app; `lora_modules` (vLLM's `--lora-modules`): adapter names a request's `model` may give instead of
+    the base model's, each served as its LoRARequest (the engine needs enable_lora)."""
+    adapters = dict(lora_modules or {})
     app = FastAPI(title="inference-labs OpenAI-compatible server")
     metrics = ServerMetrics()
     template = ChatTemplate(llm.tokenizer, chat_template)
@@ -120,9 +125,10 @@ def build_app(llm: AsyncLLM, served_model_name: str, chat_template: str | None =
         return _error(OpenAIError(f"{'.'.join(loc) or 'body'}: {first.get('msg')}", param))
 
     def check_model(model: str | None) -> None:
-        if model is not None and model != served_model_name:
-            raise OpenAIError(f"The model `{model}` does not exist (this server serves `{served_model_name}`)",
-                              "model", 404, "NotFoundError")
+        if model is not None and model != served_model_name and model not in adapters:
+            raise OpenAIError(f"The model `{model}` does not exist (this server serves "
+                              f"{', '.join(f'`{m}`' for m in [served_model_name, *adapters])})", "model", 404,
+                              "NotFoundError")
 
     def tokenize(text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         if llm.tokenizer is None:
@@ -170,7 +176,7 @@ def build_app(llm: AsyncLLM, served_model_name: str, chat_template: str | None =
                 timing = Timings()
                 choice_params = params if req.seed is None else _with_seed(params, choice_seed(req.seed, i))
                 streams.append(run_choice(llm, f"{base}-{index}", prompt, choice_params, req.priority,
-                                          TextTracker(llm.tokenizer, stops), index, first))
+                                          TextTracker(llm.tokenizer, stops), index, first, adapters.get(req.model)))
                 firsts.append(first)
                 timings.append(timing)
         merged = Merged(streams)
@@ -191,7 +197,9 @@ def build_app(llm: AsyncLLM, served_model_name: str, chat_template: str | None =
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, root=served_model_name, max_model_len=llm.max_model_len)])
+        cards = [ModelCard(id=served_model_name, root=served_model_name, max_model_len=llm.max_model_len)]
+        cards += [ModelCard(id=name, root=lora.lora_path, max_model_len=llm.max_model_len) for name, lora in adapters.items()]
+        return ModelList(data=cards)
 
     @app.post("/tokenize")
     async def tokenize_endpoint(req: TokenizeRequest) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from engine_core.entrypoints.async_llm import AsyncLLM
+from engine_core.lora.request import LoRARequest
 from engine_core.request import SamplingParams
 from engine_core.entrypoints.openai.protocol import SamplingRequest
 from engine_core.validation import SEED_RANGE
@@ -132,12 +133,12 @@ class Timings:
 
 
 async def run_choice(llm: AsyncLLM, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                     priority: int, tracker: TextTracker, index: int,
-                     first: asyncio.Future) -> AsyncIterator[ChoiceEvent]:
+                     priority: int, tracker: TextTracker, index: int, first: asyncio.Future,
+                     lora_request: LoRARequest | None = None) -> AsyncIterator[ChoiceEvent]:
     """One choice's events. `first` is resolved once the engine accepted the request (with its
     ValueError / QueueFullError otherwise), so the caller can answer 400/503 before streaming."""
     try:
-        async for out in llm.generate({"prompt_token_ids": prompt_ids}, params, request_id, priority):
+        async for out in llm.generate({"prompt_token_ids": prompt_ids}, params, request_id, priority, lora_request):
             if not first.done():
                 first.set_result(None)
             completion = out.outputs[0]
