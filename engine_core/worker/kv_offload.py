@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -138,6 +139,7 @@ class KVOffloadConnector:
         self._saves: list[Transfer] = []
         self._save_of_slot: dict[int, Transfer] = {}  # the last save into each slot
         self._loads: dict[str, list[PendingLoad]] = {}  # by request id ("" for a client hint)
+        self.load_wait_s = 0.0  # time steps spent waiting for loads a waiting request needed (prefetch hides it)
 
     @property
     def counters(self):
@@ -224,8 +226,10 @@ class KVOffloadConnector:
         for rid in list(self._loads):
             loads = self._loads[rid]
             for load in loads:
-                if rid in waiting:
+                if rid in waiting and not load.transfer.done.is_set():
+                    t0 = time.perf_counter()
                     load.transfer.done.wait(self.copy_timeout_s)
+                    self.load_wait_s += time.perf_counter() - t0
             done = [load for load in loads if load.transfer.done.is_set()]
             for load in done:
                 self._finish_load(load)
@@ -272,12 +276,13 @@ class KVOffloadConnector:
 
     def stats(self) -> dict[str, float]:
         c = self.counters
-        hit_rate = c.external_prefix_cache_hits / c.external_prefix_cache_queries if c.external_prefix_cache_queries else 0.0
+        queries = c.external_prefix_cache_queries
+        hit_rate = c.external_prefix_cache_hits / queries if queries else 0.0
         return {"kv_offload_saved_blocks": c.num_saved_blocks, "kv_offload_loaded_blocks": c.num_loaded_blocks,
                 "external_prefix_cache_queries": c.external_prefix_cache_queries,
                 "external_prefix_cache_hits": c.external_prefix_cache_hits, "kv_offload_hit_rate": hit_rate,
                 "kv_offload_collisions": c.num_collisions, "kv_offload_failed_loads": c.num_failed_loads,
-                "kv_offload_usage": self.tier.usage}
+                "kv_offload_usage": self.tier.usage, "kv_offload_load_wait_s": self.load_wait_s}
 
     def shutdown(self) -> None:
         self.copier.shutdown()
