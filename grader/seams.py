@@ -207,6 +207,7 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB12, HASH_RING, "lookup", "lookup", _state(HASH_RING, "_hashes", "_urls")),
     Seam(LAB12, ROUTER_POLICIES, "load_bound", "load_bound"),
     Seam(LAB12, ROUTER_POLICIES, "prefix_aware", "prefix_aware"),
+    Seam(LAB12, ROUTER_POLICIES, "length_aware", "length_aware"),
     # W8A8: the engine's Int8LinearMethod calls the learner's quantizers, int32 GEMM and epilogue
     Seam(LAB13, f"{QUANT}.int8", "quantize_per_channel", "quantize_per_channel"),
     Seam(LAB13, f"{QUANT}.int8", "quantize_per_token", "quantize_per_token"),

@@ -617,3 +617,146 @@ def test_engine_admits_by_priority(student):
 @functools.cache
 def _reference_preemptions() -> tuple[list[list[str]], dict[str, list[int]]]:
     return _preemptions()
+
+
+# ---- task 9: length-aware routing -----------------------------------------------------------------------
+
+def _policies():
+    """The router's policies module (imported here: labs without a router do not load it)."""
+    from engine_core.entrypoints.router import policies
+
+    return policies
+
+
+def _long_threshold() -> int:
+    """The longest n with prefill_lower_bound(Llama-3-8B, bf16, n, H100) / 0.4 <= 0.2 s: 5166 tokens (2 x 8.03e9
+    FLOPs per token plus causal attention, at 40% of 989 TFLOP/s), found by scanning down from a safe bound."""
+    from engine_core import capacity_planner, memory
+
+    spec = memory.ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_heads=8, head_dim=128,
+                            intermediate_size=14336, vocab_size=128256)
+    h100 = capacity_planner.GPUS["H100-80GB"]
+    n = int(0.2 * 0.4 * h100.bf16_flops / (2 * 6.98e9))  # the dense FLOPs alone: an upper bound (5666)
+    while capacity_planner.prefill_lower_bound(spec, "bf16", n, h100) / 0.4 > 0.2:
+        n -= 1
+    return n
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("length_aware")
+def test_predicted_long_threshold(student):
+    """Llama-3-8B, bf16, one H100 at 40% of peak, 200 ms: 5166 tokens (within 1%: prefill at 100% of peak gives
+    12.9k, the attention term left out about 5.6k)."""
+    expect_prediction(student.predicted_long_threshold(), _long_threshold(),
+                      "predicted_long_threshold(): the longest prompt (tokens) whose prefill on one H100 at 40% of "
+                      "peak fits 200 ms", rtol=0.01)
+
+
+LONG_POOL = {URLS[2], URLS[3]}
+
+
+def _loads(in_flight):
+    return [ReplicaLoad(url, in_flight=n) for url, n in zip(URLS, in_flight)]
+
+
+# (prompt tokens, in-flight per replica of URLS, the replicas up (indices)) -> the expected replica, threshold 100,
+# replicas 2 and 3 the long pool
+LENGTH_CASES = [
+    ((10, [3, 1, 0, 0], (0, 1, 2, 3)), 1),  # short: the least loaded short replica, though the long side idles
+    ((100, [3, 1, 2, 0], (0, 1, 2, 3)), 3),  # exactly the threshold is long
+    ((99, [0, 5, 0, 0], (0, 1, 2, 3)), 0),  # one below it is short
+    ((5000, [0, 0, 4, 2], (0, 1, 2, 3)), 3),
+    ((5000, [0, 0, 2, 2], (0, 1, 2, 3)), 2),  # equal loads: the first listed
+    ((500, [2, 1, 0, 0], (0, 1)), 1),  # the long pool is down: the least loaded of all
+    ((5, [0, 0, 3, 1], (2, 3)), 3),  # the short side is down: the long pool serves it
+]
+
+
+@pytest.mark.points(3)
+@pytest.mark.task("length_aware")
+def test_length_aware_by_hand(student):
+    """Threshold 100, replicas 2 and 3 the long pool: short prompts to the least loaded of 0 and 1, long ones (100
+    tokens included) to the least loaded of 2 and 3; a side with nobody up borrows the other."""
+    for (tokens, in_flight, up), expected in LENGTH_CASES:
+        replicas = [r for i, r in enumerate(_loads(in_flight)) if i in up]
+        with plug(student, LAB, only=["length_aware"]):
+            got = _policies().length_aware(replicas, tokens, 100, LONG_POOL).url
+        expect_equal(got, URLS[expected], f"length_aware({tokens} tokens, in flight {in_flight}, replicas up "
+                     f"{list(up)}, threshold 100, long pool = replicas 2 and 3)")
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("length_aware")
+def test_length_aware_bad_input(student):
+    """No replica up: ValueError "no replica is up"; threshold 0: ValueError naming threshold."""
+    with plug(student, LAB, only=["length_aware"]):
+        fn = _policies().length_aware
+        expect_raises(ValueError, fn, [], 5, 100, LONG_POOL, match="no replica is up",
+                      message="length_aware([], 5, 100, pool): no replica")
+        expect_raises(ValueError, fn, _loads([0, 0, 0, 0]), 5, 0, LONG_POOL, match="threshold",
+                      message="length_aware(4 replicas, 5, threshold=0, pool): a ValueError naming threshold")
+
+
+def _length_bodies():
+    """40 request bodies: token-id prompts of 4..400 ids and text prompts of 20..2000 characters (5..500 tokens
+    as the router estimates them, 4 characters a token), seeded."""
+    rng = random.Random(9)
+    bodies = []
+    for i in range(40):
+        n = rng.choice([4, 16, 63, 64, 65, 200, 400])
+        bodies.append({"prompt": [3 + (i + k) % 500 for k in range(n)]} if i % 2 else {"prompt": "w" * (4 * n)})
+    return bodies
+
+
+def _length_reference(bodies, lifetime):
+    """The rule, written here: by the estimated length (>= 64 tokens: long), then the fewest in flight among the
+    side's replicas (the first listed among equals); each request in flight for `lifetime` arrivals."""
+    in_flight, live, chosen = [0, 0, 0, 0], [], []
+    for i, body in enumerate(bodies):
+        for _, k in [x for x in live if x[0] <= i]:
+            in_flight[k] -= 1
+        live = [x for x in live if x[0] > i]
+        prompt = body["prompt"]
+        tokens = len(prompt) if isinstance(prompt, list) else -(-len(prompt) // 4)
+        side = [2, 3] if tokens >= 64 else [0, 1]
+        k = min(side, key=lambda j: in_flight[j])
+        in_flight[k] += 1
+        live.append((i + lifetime, k))
+        chosen.append(URLS[k])
+    return chosen
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("length_aware")
+@pytest.mark.end_to_end
+def test_router_routes_by_length(student):
+    """Through the real router's `choose` (policy length_aware, threshold 64 tokens, replicas 2 and 3 the long
+    pool): 40 token-id and text prompts of 4 to 400 tokens, each in flight for 3 arrivals, land where the rule
+    says; then with the long pool down, every request goes to replica 0 or 1."""
+    bodies = _length_bodies()
+    with plug(student, LAB, only=["length_aware"]) as plugged:
+        router = make_router(URLS, policy="least_loaded")
+        router.policy, router.long_pool, router.long_threshold = "length_aware", LONG_POOL, 64
+        live, chosen = [], []
+        for i, body in enumerate(bodies):
+            for _, done in [x for x in live if x[0] <= i]:
+                done.in_flight -= 1
+            live = [x for x in live if x[0] > i]
+            replica = router.choose(body)
+            replica.in_flight += 1
+            live.append((i + 3, replica))
+            chosen.append(replica.url)
+        for replica in router.replicas:
+            replica.in_flight = 0
+        router.replicas[2].mark_down(60.0)
+        router.replicas[3].mark_down(60.0)
+        pool_down = set()
+        for body in bodies:  # nothing finishes: the load spreads over whatever replicas the rule allows
+            replica = router.choose(body)
+            replica.in_flight += 1
+            pool_down.add(replica.url)
+    expect_equal(plugged.uncalled(), [], "the router: your functions it never called")
+    expect_equal(chosen, _length_reference(bodies, 3), "40 prompts of 4-400 tokens through Router.choose "
+                 "(length_aware, threshold 64, long pool = replicas 2 and 3, 3 arrivals in flight): the replicas")
+    expect_equal(sorted(pool_down), URLS[:2], "the same 40 prompts with replicas 2 and 3 down, none finishing: the "
+                 "replicas used")

@@ -74,4 +74,13 @@ BUGS = [
     PlantedBug("bound_checked_without_this_request", "by_url[url].in_flight + 1 <= load_bound(replicas, c)",
                "by_url[url].in_flight <= load_bound(replicas, c)"),
     PlantedBug("fallback_to_the_first_replica", "    return least_loaded(replicas)\n", "    return replicas[0]\n"),
+    # predicted_long_threshold: the prefill at 100% of peak
+    PlantedBug("threshold_at_full_peak", 'prefill_lower_bound(LLAMA_3_8B, "bf16", tokens, H100) / 0.4',
+               'prefill_lower_bound(LLAMA_3_8B, "bf16", tokens, H100)'),
+    # length_aware: the threshold itself counted short; short prompts allowed onto the long pool; no fallback
+    PlantedBug("threshold_itself_short", "is_long = prompt_tokens >= threshold", "is_long = prompt_tokens > threshold"),
+    PlantedBug("short_prompts_anywhere", "side = [r for r in replicas if (r.url in long_pool) == is_long]",
+               "side = [r for r in replicas if r.url in long_pool] if is_long else list(replicas)"),
+    PlantedBug("no_fallback_when_a_side_is_down", "return least_loaded(side or replicas)", "return least_loaded(side)"),
+    PlantedBug("length_threshold_unchecked", "    if threshold < 1:\n", "    if False:\n"),
 ]

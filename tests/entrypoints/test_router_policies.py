@@ -130,7 +130,7 @@ def test_router_skips_a_replica_marked_down_until_its_time_is_up():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(urls=[]), "replica: give at least one replica URL"),
     (dict(urls=[URLS[0], URLS[0]]), "replica: each URL once"),
-    (dict(urls=URLS, policy="random"), r"policy must be one of \('round_robin', 'least_loaded', 'prefix_aware'\)"),
+    (dict(urls=URLS, policy="random"), r"policy must be one of \('round_robin', 'least_loaded', 'prefix_aware', 'length_aware'\)"),
     (dict(urls=URLS, prefix_length=0), "prefix_length must be >= 1, got 0"),
     (dict(urls=URLS, balance_factor=0.9), r"balance_factor must be >= 1 \(c in load <= ceil\(c \* average\)\)"),
 ])

@@ -2,8 +2,9 @@
 
 An OpenAI-compatible router over data-parallel replicas (each a `python -m
 engine_core.entrypoints.openai` server, or any server with vLLM's `/metrics`): `--policy`
-round_robin, least_loaded (polled `/metrics`) or prefix_aware (consistent hashing with bounded
-loads on the prompt's leading `--prefix-length` characters). Loopback (127.0.0.1) unless told
+round_robin, least_loaded (polled `/metrics`), prefix_aware (consistent hashing with bounded
+loads on the prompt's leading `--prefix-length` characters) or length_aware (prompts of at least
+`--long-threshold` tokens to the `--long-replica` pool, the others elsewhere). Loopback (127.0.0.1) unless told
 otherwise.
 """
 from __future__ import annotations
@@ -25,6 +26,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="prefix_aware: the leading characters (or token ids) of a prompt that pick its replica")
     parser.add_argument("--balance-factor", type=float, default=1.25,
                         help="prefix_aware: c in the bound load <= ceil(c * average in-flight requests)")
+    parser.add_argument("--long-replica", action="append", default=[], metavar="URL",
+                        help="length_aware: a replica of the long-context pool (also given as --replica)")
+    parser.add_argument("--long-threshold", type=int, default=4096,
+                        help="length_aware: prompt tokens from which a prompt goes to the long-context pool")
     parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds between /metrics polls")
     parser.add_argument("--poll-timeout", type=float, default=1.0, help="seconds a poll (or a connect) may take")
     parser.add_argument("--down-seconds", type=float, default=5.0,
@@ -40,7 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     from engine_core.entrypoints.router.app import Router, build_app
 
     try:
-        router = Router(args.replica, args.policy, args.prefix_length, args.balance_factor, args.down_seconds)
+        router = Router(args.replica, args.policy, args.prefix_length, args.balance_factor, args.down_seconds,
+                        args.long_replica, args.long_threshold)
     except ValueError as e:
         parser.error(str(e))
     app = build_app(router, args.poll_interval, args.poll_timeout)

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import json
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import httpx2
 from fastapi import FastAPI, Request
@@ -32,7 +32,8 @@ class Router:
     """The replicas, the policy and its state (round-robin counter, hash ring)."""
 
     def __init__(self, urls: list[str], policy: str = "round_robin", prefix_length: int = 256,
-                 balance_factor: float = 1.25, down_seconds: float = 5.0) -> None:
+                 balance_factor: float = 1.25, down_seconds: float = 5.0, long_pool: Sequence[str] = (),
+                 long_threshold: int = 4096) -> None:
         if not urls:
             raise ValueError("replica: give at least one replica URL")
         if len(set(urls)) != len(urls):
@@ -43,9 +44,17 @@ class Router:
             raise ValueError(f"prefix_length must be >= 1, got {prefix_length}")
         if balance_factor < 1.0:
             raise ValueError(f"balance_factor must be >= 1 (c in load <= ceil(c * average)), got {balance_factor}")
+        long_pool = {url.rstrip("/") for url in long_pool}
+        if policy == "length_aware" and not long_pool:
+            raise ValueError("long_pool: the length_aware policy needs at least one long-context replica URL")
+        if not long_pool <= {url.rstrip("/") for url in urls}:
+            raise ValueError(f"long_pool: each URL must be a replica, got {sorted(long_pool)}")
+        if long_threshold < 1:
+            raise ValueError(f"long_threshold must be >= 1 (prompt tokens), got {long_threshold}")
         self.replicas = [Replica(url.rstrip("/")) for url in urls]
         self.policy, self.prefix_length, self.balance_factor = policy, prefix_length, balance_factor
         self.down_seconds = down_seconds
+        self.long_pool, self.long_threshold = long_pool, long_threshold
         self.ring = policies.HashRing([r.url for r in self.replicas])
         self._turn = itertools.count()
         self.retries = 0
@@ -60,6 +69,8 @@ class Router:
             pick = policies.round_robin(loads, next(self._turn))
         elif self.policy == "least_loaded":
             pick = policies.least_loaded(loads)
+        elif self.policy == "length_aware":
+            pick = policies.length_aware(loads, policies.prompt_tokens(body), self.long_threshold, self.long_pool)
         else:
             key = policies.prefix_key(body, self.prefix_length)
             pick = policies.prefix_aware(loads, key, self.ring, self.balance_factor)
