@@ -19,7 +19,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv venv-notriton lab instructor test test-notriton fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-serve-vllm bench-vllm-real bench-steps bench-threads bench-llamacpp bench-kernels bench-cpu-attention bench-skinny-gemm bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm bench-act-order quant-step gpu-check gpu-compile labs grade clean
+.PHONY: venv venv-notriton lab instructor test test-notriton fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-serve-vllm bench-vllm-real bench-steps bench-threads bench-llamacpp bench-kernels bench-cpu-attention bench-skinny-gemm bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm bench-act-order quant-step cpu-gemm-rows gpu-check gpu-compile labs grade clean
 
 venv: $(STAMP)
 
@@ -267,6 +267,11 @@ bench-act-order: venv
 # docs/weight_quantization.md's whole-step table: one decode step of smollm2-135m-instruct per scheme at M = 1 .. 256
 quant-step: venv
 	$(PY) -m benchmarks.quant_step $(QUANT_STEP_ARGS)
+
+# where the fp8 and GGUF Q4_1 CPU GEMMs should hand over to the bf16 GEMM (the rows fp8.py, gguf_q4_1.py switch at):
+# SmolLM2's projection shapes per row count, one thread, about a minute
+cpu-gemm-rows: venv
+	OMP_NUM_THREADS=1 $(PY) -m benchmarks.cpu_gemm_rows
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

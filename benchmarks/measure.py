@@ -64,6 +64,25 @@ def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, f
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+# /proc/cpuinfo flags that choose a CPU kernel path (kernels/cpu, oneDNN): the best path differs by CPU
+CPU_FLAGS = {"AMX": "amx_bf16", "AVX512-BF16": "avx512_bf16", "AVX512-VNNI": "avx512_vnni", "AVX-512": "avx512f"}
+
+
+def cpu_line(cpuinfo: str | None = None) -> str:
+    """The CPU's model name and which of CPU_FLAGS it has, for the line above a benchmark's table."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    def first(key: str) -> str:
+        return next((ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith(key)), "")
+
+    model, flags = first("model name") or "unknown CPU", set(first("flags").split())
+    return f"CPU: {model}, {os.cpu_count()} CPUs; " + ", ".join(
+        f"{name} {'yes' if flag in flags else 'no'}" for name, flag in CPU_FLAGS.items())
+
+
 def l3_bytes() -> int:
     """The largest cache's size from sysfs (32 MiB when sysfs does not say)."""
     sizes = []

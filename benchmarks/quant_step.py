@@ -2,9 +2,10 @@
 [--model smollm2-135m-instruct --batches 1,2,...,256 --steps 5 --threads 2 --bandwidth GBPS --json OUT]`).
 
 One engine per scheme, all loaded at once: fp32 and bf16 (dense), W8A8 int8, W4A16 (the real model's Q4_1 blocks
-through torch's int4 kernel, `gguf`, and round-to-nearest group 32, `rtn`) and fp8 (per-tensor weights and
-activations, `torch._scaled_mm`). The quantized schemes run with the bf16 model (embedding, LM head, norms,
-attention and activations in bf16), so bf16 is their baseline. For each batch M every engine gets M requests of
+in llama.cpp's arithmetic, `gguf`, and round-to-nearest group 32, `rtn`) and fp8 (per-tensor e4m3 weights,
+weight-only on CPU: `kernels.cpu.fp8_gemm` up to 8 rows, the weight dequantized to bf16 above). The quantized
+schemes run with the bf16 model (embedding, LM head, norms, attention and activations in bf16), so bf16 is their
+baseline. For each batch M every engine gets M requests of
 8 prompt tokens, prefills them (not timed), then the engines take one decode step each in turn, `--steps` times
 (a drift in the machine's load hits every scheme alike); the table shows the median step in ms. SmolLM2's weights
 (the smallest, W4A16: about 100 MiB with the dense tied embedding) are larger than the L3, so every step streams
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.measure import busy_seconds, crossover, l3_bytes, stream_bandwidth
+from benchmarks.measure import busy_seconds, cpu_line, crossover, l3_bytes, stream_bandwidth
 from engine_core import LLMEngine, SamplingParams
 from engine_core.models.linear import Linear
 
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{args.model}: whole decode step, {args.threads} threads, {args.steps} steps per point (medians, ms); "
           f"L3 {l3 / 2**20:.0f} MiB; streaming read {bw / 1e9:.1f} GB/s; other processes' CPU time {other:.2f} s "
           f"over {wall:.1f} s ({other / wall:.2f} CPUs busy besides this one{': loaded' if other / wall > 0.1 else ''})")
+    print(cpu_line())
     print("| M | " + " | ".join(schemes) + " |\n|---|" + "---|" * len(schemes))
     for m in batches:
         print(f"| {m} | " + " | ".join(f"{1e3 * med[s][m]:.1f}" for s in schemes) + " |")
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
                     for how, m in c.items()}
             print(f"{s} vs {base}: {said['measured']} (roofline: {said['roofline']}); at M = {first} "
                   f"{med[base][first] / med[s][first]:.2f}x (roofline {roof[base][first] / roof[s][first]:.2f}x)")
-    result = {"model": args.model, "threads": args.threads, "steps": args.steps, "l3_bytes": l3,
+    result = {"model": args.model, "cpu": cpu_line(), "threads": args.threads, "steps": args.steps, "l3_bytes": l3,
               "stream_bytes_per_s": bw, "other_cpu_s": other, "wall_s": wall, "median_s": med, "roofline_s": roof,
               "weight_bytes": weight_bytes, "matmul_params": params, "crossover": cross}
     if args.json:

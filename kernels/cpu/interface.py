@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["DecodeAttentionBlockArgs", "GgmlMulMatA8Args", "PagedAttentionArgs", "ReshapeAndCacheArgs",
+__all__ = ["DecodeAttentionBlockArgs", "Fp8GemmArgs", "GgmlMulMatA8Args", "PagedAttentionArgs", "ReshapeAndCacheArgs",
            "NO_MEMORY", "RotaryEmbeddingArgs", "SIGNATURES", "STATUS", "SkinnyGemmArgs", "declare"]
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
@@ -46,6 +46,10 @@ class GgmlMulMatA8Args(ctypes.Structure):
     _fields_ = _fields("out x w dw mw", _ptr) + _fields("m n k x_stride bits bf16", _i64)
 
 
+class Fp8GemmArgs(ctypes.Structure):
+    _fields_ = _fields("y x bias residual w scale", _ptr) + _fields("m n k x_stride residual_stride bf16", _i64)
+
+
 # kernels_cpu_status, what each code means
 STATUS = {1: "a block table entry that a sequence uses is outside the cache", 2: "a slot is past the cache's end",
           3: "a sequence needs more blocks than its block table row has", 4: "a position is outside the RoPE tables",
@@ -66,6 +70,8 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     **{f"decode_attention_block_{t}": (_by_ref(DecodeAttentionBlockArgs), ctypes.c_int) for t in ("f32", "bf16")},
     **{f"skinny_gemm_{t}": (_by_ref(SkinnyGemmArgs), None) for t in ("f32", "bf16")},
     "ggml_mul_mat_a8": (_by_ref(GgmlMulMatA8Args), ctypes.c_int),
+    "fp8_gemm_w8a16": (_by_ref(Fp8GemmArgs), ctypes.c_int),
+    "fp8_dequantize": ([_ptr] * 3 + [_i64] * 3, None),
     **{f"rms_norm_{t}": ([_ptr] * 3 + [_i64] * 3 + [ctypes.c_float], None) for t in ("f32", "bf16")},
     **{f"silu_and_mul_{t}": ([_ptr] * 2 + [_i64] * 3, None) for t in ("f32", "bf16")},
 }

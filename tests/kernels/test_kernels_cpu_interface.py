@@ -14,7 +14,8 @@ CTYPES = {"void *": ctypes.c_void_p, "int64_t": ctypes.c_int64, "float": ctypes.
 STRUCTS = {"paged_attention_args": interface.PagedAttentionArgs, "reshape_and_cache_args": interface.ReshapeAndCacheArgs,
            "rotary_embedding_args": interface.RotaryEmbeddingArgs,
            "decode_attention_block_args": interface.DecodeAttentionBlockArgs,
-           "skinny_gemm_args": interface.SkinnyGemmArgs, "ggml_mul_mat_a8_args": interface.GgmlMulMatA8Args}
+           "skinny_gemm_args": interface.SkinnyGemmArgs, "ggml_mul_mat_a8_args": interface.GgmlMulMatA8Args,
+           "fp8_gemm_args": interface.Fp8GemmArgs}
 
 
 def _c_fields(body: str) -> list[tuple[str, type]]:

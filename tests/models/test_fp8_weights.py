@@ -172,9 +172,10 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 class FakeFp8(LinearMethodBase):
     """fp8 simulated in float64 with the KV cache's fp8 rounding (kernels/fp8.py, lab 08's code): w and x rounded
-    as the scheme's strategies say, the product of the dequantized values."""
+    as the scheme's strategies say (activation_strategy None: x not rounded, the CPU's weight-only W8A16), the
+    product of the dequantized values."""
 
-    def __init__(self, widths: list[int], weight_strategy: str, activation_strategy: str) -> None:
+    def __init__(self, widths: list[int], weight_strategy: str, activation_strategy: str | None) -> None:
         self.widths, self.weight_strategy, self.activation_strategy = widths, weight_strategy, activation_strategy
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -187,9 +188,12 @@ class FakeFp8(LinearMethodBase):
         layer.w_deq = quantize_fp8(w, scale).double() * scale.double()[:, None]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        amax = x.abs().amax(dim=1) if self.activation_strategy == "token" else x.abs().amax()
-        sx = scale_from_amax(amax, torch.float8_e4m3fn)
-        x_deq = quantize_fp8(x, sx).double() * (sx.double()[:, None] if sx.dim() else sx.double())
+        if self.activation_strategy is None:
+            x_deq = x.double()
+        else:
+            amax = x.abs().amax(dim=1) if self.activation_strategy == "token" else x.abs().amax()
+            sx = scale_from_amax(amax, torch.float8_e4m3fn)
+            x_deq = quantize_fp8(x, sx).double() * (sx.double()[:, None] if sx.dim() else sx.double())
         y = F.linear(x_deq, layer.w_deq, None if layer.bias is None else layer.bias.double())
         return (y if residual is None else y + residual.double()).to(x.dtype)
 
@@ -208,12 +212,13 @@ def _tokens(model: str, **kwargs) -> list[list[int]]:
 def test_engine_with_fp8_matches_the_fake_quantized_model(monkeypatch, model: str, weight_strategy: str,
                                                           activation_strategy: str) -> None:
     """Greedy tokens, token for token, on presets with GQA (tiny-llama), q|k|v biases (tiny-qwen2), tied embeddings
-    and q/k norms (tiny-qwen3); fp32 kernels vs float64 emulation differ by fp32 rounding only."""
+    and q/k norms (tiny-qwen3); fp32 kernels vs float64 emulation differ by fp32 rounding only. On CPU the scheme
+    is weight-only (no fp8 arithmetic): the activation strategy is accepted and x stays fp32."""
     options = {"weight_strategy": weight_strategy, "activation_strategy": activation_strategy}
     quantized = _tokens(model, quantization="fp8", quantization_config=options)
 
     def fake(quant, prefix=None, in_features=None, widths=None):
-        return FakeFp8(widths, weight_strategy, activation_strategy) if quant else UnquantizedLinearMethod()
+        return FakeFp8(widths, weight_strategy, None) if quant else UnquantizedLinearMethod()
 
     assert quantized != _tokens(model)  # the scheme really ran: fp8 changes these tiny models' greedy tokens
     monkeypatch.setattr(scheme, "get_linear_method", fake)

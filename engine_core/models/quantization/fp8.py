@@ -1,5 +1,6 @@
-"""FP8 W8A8 (`quantization="fp8"`, vLLM's online `Fp8LinearMethod`): the dense checkpoint's weights quantized at
-load to float8_e4m3fn (3 mantissa bits, largest value 448), activations quantized dynamically each step.
+"""FP8 (`quantization="fp8"`, vLLM's online `Fp8LinearMethod`): the dense checkpoint's weights quantized at load to
+float8_e4m3fn (3 mantissa bits, largest value 448); where the hardware has fp8 arithmetic (CUDA through Triton),
+activations quantized dynamically each step too (W8A8):
 
     y[m, n] = sx[m] * sw[n] * sum_k qx[m, k] * qw[n, k]
 
@@ -14,12 +15,17 @@ Every product qx * qw of two e4m3 values has at most 8 significant bits, exact i
 the GEMM is the fp32 accumulation's (about K u of the sum of magnitudes, in any order); the errors are the
 roundings to fp8 (relative 2^-4 for normal values, absolute 2^-10 * scale for subnormals) and the fp32 epilogue.
 Where the kernel backend is Triton (CUDA) the project's fp8 GEMM (`kernels.fp8_gemm`, kernels/triton/fp8_gemm.py)
-computes the sum and applies both scales in its fp32 epilogue. On CPU `torch._scaled_mm` computes the sum with
-unit scales and the scales are applied here in fp32 (so every combination of strategies is the same kernel
-call); elsewhere, and in tests, the reference path dequantizes both sides to fp32 and runs `F.linear`. On this
-kit's CPU `_scaled_mm` does no fp8 arithmetic (it converts the weight each call): correct and slower than fp32
-at every batch (docs/weight_quantization.md). The CUDA branch is not yet run on a GPU here (CPU tests run the
-Triton kernel under the interpreter). The LM head stays dense.
+computes the sum and applies both scales in its fp32 epilogue.
+
+CPUs have no fp8 arithmetic (`torch._scaled_mm` on CPU converts the weight each call: 224 ms a call on
+SmolLM2, issue 46), so on CPU the scheme is weight-only (W8A16, as vLLM's Marlin fallback on GPUs without fp8):
+the activation strategy does not apply, x stays in the model's dtype and `kernels.cpu.fp8_gemm` widens the fp8
+weight inside the product: up to `FP8_KERNEL_MAX_ROWS` rows the C kernel (one byte a weight read), above them
+the weight dequantized to x's dtype (q * scale rounded once: 2^-9 relative in bf16) and x's own GEMM (oneDNN).
+Without the C kernels, CPU runs the dequantized weight through `F.linear`. `use_kernel=False` keeps the W8A8
+reference path (both sides dequantized to fp32, `F.linear`: what tests compare the Triton GEMM with). The CUDA
+branch is not yet run on a GPU here (CPU tests run the Triton kernel under the interpreter). The LM head stays
+dense.
 """
 from __future__ import annotations
 
@@ -30,10 +36,14 @@ from torch import nn
 import kernels
 from engine_core.models.quantization.base import LinearMethodBase, add_bias_residual, triton_kernels_apply
 from engine_core.models.quantization.int8 import convert_to_channelwise
+from kernels.cpu.fp8_gemm import fp8_dequantize, fp8_w8a16_applies, fp8_w8a16_gemm
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448: where quantization saturates
 MIN_FP8_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9) and Hopper (9.0) onwards
+# rows up to which the W8A16 C kernel beat dequantize-then-oneDNN on SmolLM2's shapes (benchmarks/cpu_gemm_rows.py;
+# above, the fp32 FMAs of the kernel lose to the bf16 GEMM's dot products)
+FP8_KERNEL_MAX_ROWS = 8
 
 
 def _cuda_capability(device: torch.device) -> tuple[int, int]:
@@ -43,7 +53,7 @@ def _cuda_capability(device: torch.device) -> tuple[int, int]:
 def check_fp8_supported(device: torch.device) -> None:
     """Refuse `quantization="fp8"` on a device without fp8 GEMMs (before any weight is read)."""
     if device.type == "cpu":
-        return  # torch's fp8 casts and `_scaled_mm` run on any x86 CPU
+        return  # weight-only: the fp8 weight widened in the product (kernels.cpu.fp8_gemm, or dequantized)
     if device.type == "cuda":
         cap = _cuda_capability(device)
         if tuple(cap) >= MIN_FP8_CAPABILITY:
@@ -90,12 +100,9 @@ def quantize_activation_fp8(x: torch.Tensor, strategy: str) -> tuple[torch.Tenso
 
 
 def scaled_mm_applies(m: int, k: int, n: int, device: torch.device) -> bool:
-    """Whether `torch._scaled_mm` takes these shapes: CPU any, CUDA (fp8 tensor cores) K and N multiples of 16."""
-    if m == 0:
-        return False
-    if device.type == "cuda":
-        return k % 16 == 0 and n % 16 == 0
-    return device.type == "cpu"
+    """Whether `torch._scaled_mm` takes these shapes: CUDA (fp8 tensor cores) with K and N multiples of 16. Never
+    on CPU: there it widens the weight every call (three orders of magnitude slower than fp32, issue 46)."""
+    return m > 0 and device.type == "cuda" and k % 16 == 0 and n % 16 == 0
 
 
 _ONE: dict[torch.device, torch.Tensor] = {}
@@ -141,6 +148,9 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
+        if self.use_kernel and rows.is_cpu and not triton_kernels_apply(rows.device):
+            res = None if residual is None else residual.reshape(-1, layer.output_size)
+            return self._apply_weight_only(layer, rows, res).reshape(*x.shape[:-1], layer.output_size)
         qx, sx = quantize_activation_fp8(rows, self.activation_strategy)
         if self.use_kernel and triton_kernels_apply(rows.device):  # the scales in the kernel's epilogue
             y = kernels.fp8_gemm(qx, sx, layer.weight_fp8, layer.weight_scale, x.dtype, backend="triton")
@@ -149,6 +159,19 @@ class Fp8LinearMethod(LinearMethodBase):
             y = (acc * sx * layer.weight_scale).to(x.dtype)
         y = y.reshape(*x.shape[:-1], layer.output_size)
         return add_bias_residual(y, layer.bias, residual)
+
+    @staticmethod
+    def _apply_weight_only(layer: nn.Module, rows: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """W8A16 on CPU: the C kernel up to FP8_KERNEL_MAX_ROWS rows, else the weight dequantized to x's dtype."""
+        bias = layer.bias
+        if fp8_w8a16_applies(rows, layer.weight_fp8) and (bias is None or bias.dtype == rows.dtype) and (
+                residual is None or (residual.dtype == rows.dtype and residual.stride(-1) == 1)):
+            if rows.shape[0] <= FP8_KERNEL_MAX_ROWS:
+                return fp8_w8a16_gemm(rows, layer.weight_fp8, layer.weight_scale, bias, residual, check=False)
+            w = fp8_dequantize(layer.weight_fp8, layer.weight_scale, rows.dtype)
+        else:
+            w = (layer.weight_fp8.float() * layer.weight_scale[:, None]).to(rows.dtype)
+        return add_bias_residual(F.linear(rows, w), bias, residual)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         """q * scale `[N, K]` in fp32: the weight the scheme computes with."""

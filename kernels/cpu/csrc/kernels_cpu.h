@@ -94,6 +94,17 @@ typedef struct {
     int64_t m, n, k, x_stride, bits, bf16;
 } ggml_mul_mat_a8_args;
 
+/* Weight-only fp8: y [m, n] (x's dtype) = x [m, k] (fp32, or bf16 when bf16 != 0; rows x_stride apart) @
+ * (w [n, k] float8_e4m3fn codes * scale [n] fp32).T (+ bias [n]) (+ residual [m, n], rows residual_stride apart,
+ * x's dtype); bias and residual may be NULL. */
+typedef struct {
+    void *y;
+    const void *x, *bias, *residual;
+    const uint8_t *w;
+    const float *scale;
+    int64_t m, n, k, x_stride, residual_stride, bf16;
+} fp8_gemm_args;
+
 int paged_attention_decode_f32(const paged_attention_args *a);
 int paged_attention_decode_bf16(const paged_attention_args *a);
 int paged_attention_f32(const paged_attention_args *a);
@@ -106,6 +117,7 @@ int decode_attention_block_bf16(const decode_attention_block_args *a);
 void skinny_gemm_f32(const skinny_gemm_args *a);
 void skinny_gemm_bf16(const skinny_gemm_args *a);
 int ggml_mul_mat_a8(const ggml_mul_mat_a8_args *a);
+int fp8_gemm_w8a16(const fp8_gemm_args *a);
 /* the elementwise ops: few enough arguments to pass them as they are (x rows x_stride apart, out contiguous) */
 void rms_norm_f32(float *out, const float *x, const float *weight, int64_t rows, int64_t width, int64_t x_stride,
                   float eps);
@@ -113,5 +125,6 @@ void rms_norm_bf16(uint16_t *out, const uint16_t *x, const uint16_t *weight, int
                    int64_t x_stride, float eps);
 void silu_and_mul_f32(float *out, const float *x, int64_t rows, int64_t d, int64_t x_stride);
 void silu_and_mul_bf16(uint16_t *out, const uint16_t *x, int64_t rows, int64_t d, int64_t x_stride);
+void fp8_dequantize(void *out, const uint8_t *q, const float *scale, int64_t n, int64_t k, int64_t bf16);
 
 #endif
