@@ -87,6 +87,8 @@ LAB14 = "14_find_the_bottleneck"
 ATTENTION_PLAN = "engine_core.models.attention.AttentionPlan"
 SAMPLER = "engine_core.worker.sampler.Sampler"
 INPUT_BATCH = "engine_core.worker.input_batch.InputBatch"
+LAB15 = "15_fine_tune_to_serve"
+NF4 = "engine_core.models.quantization.nf4"
 LAB18 = "18_flash_attention"
 TILED_ATTENTION = "kernels.tiled_attention"
 PREFILL_ATTENTION = "kernels.triton.prefill_attention"
@@ -235,6 +237,12 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB14, SAMPLER, "__call__", "sample", _state(SAMPLER, "generator", "seeded", "_exponential_noise")),
     Seam(LAB14, INPUT_BATCH, "block_tables", "block_tables", _state(INPUT_BATCH, "block_table", "num_blocks")),
     Seam(LAB14, SCHEDULER, "_remove_finished", "remove_finished", _state(SCHEDULER, "running")),
+
+    # QLoRA's NF4: the engine calls both for quantization="nf4" (at load, at every GEMM)
+    Seam(LAB15, NF4, "nf4_quantize", "nf4_quantize"),
+    Seam(LAB15, NF4, "nf4_dequantize", "nf4_dequantize"),
+    # graded on its own: no engine path runs QLoRA's training forward
+    Seam(LAB15, NF4, "qlora_linear", "qlora_linear"),
 
     # graded on their own: no engine path calls the PyTorch loop nest (the Triton prefill kernel is its GPU form)
     Seam(LAB18, TILED_ATTENTION, "tiled_attention", "tiled_attention"),

@@ -77,6 +77,8 @@ ENGINE_TESTS = {
     # write and attention run in the lab's own tests
     "14_find_the_bottleneck": ("tests/worker/test_sampler.py", "tests/worker/test_input_batch.py",
                                "tests/core/test_scheduler.py", "-k", "not whatever_shares_the_batch"),
+    # NF4's levels, quantizer, forward and the engine serving it
+    "15_fine_tune_to_serve": ("tests/models/test_nf4.py",),
     # the PyTorch loop nest and the early exit; the Triton prefill kernel's oracle cases in fp32 and fp16
     "18_flash_attention": ("tests/kernels/test_tiled_attention.py",
                            *(f"tests/kernels/test_kernels_prefill.py::test_prefill_matches_oracle[torch.{dtype}-{group}-8]"
