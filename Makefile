@@ -19,7 +19,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv venv-notriton lab instructor test test-notriton fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-serve-vllm bench-vllm-real bench-steps bench-threads bench-llamacpp bench-kernels bench-cpu-attention bench-skinny-gemm bench-lora bench-lora-gpu bench-allreduce fp8-accuracy quant-accuracy quant-gemm bench-act-order quant-step cpu-gemm-rows gpu-check gpu-compile labs grade clean
+.PHONY: venv venv-notriton lab instructor test test-notriton fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-serve-vllm bench-vllm-real bench-steps bench-threads bench-llamacpp bench-kernels bench-cpu-attention bench-skinny-gemm bench-lora bench-lora-gpu bench-allreduce bench-kv-offload fp8-accuracy quant-accuracy quant-gemm bench-act-order quant-step cpu-gemm-rows gpu-check gpu-compile labs grade clean
 
 venv: $(STAMP)
 
@@ -239,6 +239,11 @@ bench-lora: venv
 # gloo all-reduce latency and bandwidth on loopback (2 processes), fitted to lab 01's alpha-beta model (~10 s)
 bench-allreduce: venv
 	$(PY) -m benchmarks.allreduce --world-size 2
+
+# A returning session's TTFT on the real model with the CPU offload tier: recompute vs load vs prefetch, modes
+# alternating, medians of 3 rounds (docs/benchmarks.md).
+bench-kv-offload: venv
+	timeout 1200 $(PY) -m benchmarks.kv_offload --rounds 3 $(BENCH_ARGS)
 
 bench-lora-gpu: venv
 	$(PY) -m benchmarks.lora --device cuda --model qwen3-0.6b-shape --num-requests 256 \
