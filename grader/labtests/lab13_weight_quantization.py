@@ -820,6 +820,21 @@ def test_awq_beats_rtn_on_smollm2(student):
                  rtol=0.5)
 
 
+@pytest.mark.points(2)
+@pytest.mark.task("predicted_gptq_cost")
+def test_predicted_gptq_cost(student):
+    """Llama-2-7B's down_proj, N = 4096, K = 11008: H is 11008^2 fp32 values = 484,704,256 bytes whatever the
+    calibration set; the updates touch N x (K - i) weights at column i, sum N K (K + 1) / 2 = 2.48e11 multiply-adds.
+    The bytes exact (H as N x N: 67 MB; in fp64: 969 MB), the multiply-adds within 1% (N K^2, the whole matrix
+    every column: 2x; N^2 K: 0.74x)."""
+    got = student.predicted_gptq_cost()
+    expect_equal(sorted(got), ["hessian_bytes", "update_macs"], "predicted_gptq_cost(): its keys")
+    expect_prediction(got["hessian_bytes"], 11008 * 11008 * 4, "predicted_gptq_cost()['hessian_bytes']: H of "
+                      "Llama-2-7B's down_proj in fp32", rtol=0)
+    expect_prediction(got["update_macs"], 4096 * 11008 * 11009 / 2, "predicted_gptq_cost()['update_macs']: GPTQ's "
+                      "error updates on Llama-2-7B's down_proj", rtol=0.01)
+
+
 # ---- task 7: Q4_1 ---------------------------------------------------------------------------------
 
 def _q4_1_block(d, m, q):

@@ -82,6 +82,9 @@ BUGS = [
     # each group's scale and zero from the weights as loaded, not as updated (AutoGPTQ's static_groups=False)
     PlantedBug("gptq_groups_from_original_weights", "group = weight[:, i:i + group_size]",
                "group = w.double()[:, i:i + group_size]"),
+    PlantedBug("prediction_hessian_n_by_n", "\"hessian_bytes\": k * k * 4", "\"hessian_bytes\": n * n * 4"),
+    PlantedBug("prediction_hessian_fp64", "\"hessian_bytes\": k * k * 4", "\"hessian_bytes\": k * k * 8"),
+    PlantedBug("prediction_update_whole_matrix", "sum(n * (k - i) for i in range(k))", "n * k * k"),
     # AWQ's scale search
     PlantedBug("awq_scale_on_the_wrong_side", "quantize_groupwise(w.float() * s[None, :], bits, group_size)",
                "quantize_groupwise(w.float() / s[None, :], bits, group_size)",
