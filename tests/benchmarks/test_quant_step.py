@@ -18,4 +18,5 @@ def test_quant_step_runs_and_reports_every_point(capsys) -> None:
     assert all(set(per) == {1, 3} and min(per.values()) > 0 for per in result["median_s"].values())
     assert result["weight_bytes"]["fp8"] < result["weight_bytes"]["bf16"]
     assert set(result["crossover"]) == {"fp8 vs bf16"}
-    assert "| M | bf16 | fp8 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| M | bf16 | fp8 |" in out and "AVX512-BF16" in out  # the CPU's flags beside the table
