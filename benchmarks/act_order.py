@@ -18,7 +18,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks.measure import busy_seconds
+from benchmarks.measure import busy_seconds, cpu_line
 from engine_core.config import QuantizationConfig
 from engine_core.models.linear import Linear
 from engine_core.models.quantization import PackedLinearMethod, packed
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     busy0, own0 = busy_seconds()
     wall0 = time.perf_counter()
+    print(cpu_line())
     print(f"act-order GPTQ, bf16, group {GROUP}, one thread, median of {args.reps} (ms per call)")
     print(f"{'projection':10} {'N x K':>11} {'M':>4} {'per-column':>11} {'permuted':>9} {'speedup':>8} {'rel. diff':>10}")
     for name, (n, k) in SHAPES.items():

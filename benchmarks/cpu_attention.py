@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from benchmarks.measure import alternate, busy_seconds
+from benchmarks.measure import alternate, busy_seconds, cpu_line
 from kernels import cpu, reference
 
 SHAPES = {"small-llama": (8, 4, 64), "smollm2": (9, 3, 64)}  # query heads, KV heads, head_dim
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(0)
     print(f"threads {torch.get_num_threads()}, block size {BLOCK_SIZE}, caches of {CACHE_MB} MB, {a.repeats} "
           "alternating calls per side, medians")
+    print(cpu_line())
     print("| op | model shape | dtype | batch | C ms | reference ms | C / reference | C rate | other processes |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in a.shapes.split(","):

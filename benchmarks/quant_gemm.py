@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from benchmarks.measure import busy_seconds, crossover, l3_bytes, stream_bandwidth
+from benchmarks.measure import busy_seconds, cpu_line, crossover, l3_bytes, stream_bandwidth
 from kernels.cpu.ggml_a8 import ggml_a8_applies, ggml_mul_mat_a8, pack_q4_1
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     peak = {s: flops[max(batches)] / med[s][max(batches)] for s in made}
     roof = {s: {m: max(made[s][0] / bw, flops[m] / peak[s]) for m in batches} for s in made}
 
+    print(cpu_line())
     print(f"K = N = {args.k} x {args.n}, {args.threads} threads, {args.reps} reps (medians, ms); L3 {l3 / 2**20:.0f} MiB; "
           f"streaming read {bw / 1e9:.1f} GB/s; other processes' CPU time {other:.2f} s over {wall:.1f} s "
           f"({other / wall:.2f} CPUs busy besides this one{': loaded' if other / wall > 0.1 else ''})")

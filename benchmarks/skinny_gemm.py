@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from benchmarks.measure import alternate, busy_seconds
+from benchmarks.measure import alternate, busy_seconds, cpu_line
 from engine_core.models.quantization.unquantized import PACK_BATCH_HINT, onednn_available, onednn_bf16_available
 from kernels import cpu
 from kernels.cpu.skinny_gemm import SKINNY_MAX_ROWS, skinny_gemm
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"threads {torch.get_num_threads()}, SmolLM2's linears ({a.layers} layers and the LM head), "
           f"{a.repeats} alternating passes per side, medians; SKINNY_MAX_ROWS "
           f"{ {str(d).removeprefix('torch.'): r for d, r in SKINNY_MAX_ROWS.items()} }")
+    print(cpu_line())
     print("| dtype | rows | skinny ms | oneDNN ms | oneDNN / skinny | skinny GB/s | oneDNN GB/s | other processes |")
     print("|---|---|---|---|---|---|---|---|")
     for dtype in (torch.float32, torch.bfloat16):

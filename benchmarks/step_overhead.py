@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from benchmarks.measure import busy_seconds
+from benchmarks.measure import busy_seconds, cpu_line
 from engine_core.engine import LLMEngine
 from engine_core.models.attention import AttentionPlan
 from engine_core.models.quantization.gguf_q8_0 import Q8_0LinearMethod
@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nSmolLM2 batch-1 decode, {a.input_len}-token prompt, {a.output_len} tokens, medians of {a.rounds} "
           f"alternating rounds; other processes used {other:.0f} CPU s meanwhile "
           f"({'quiet' if other < 0.05 * sum(r['wall_ms'] for *_, r in rows) else 'LOADED'})\n")
+    print(cpu_line())
     print("| format | threads | decode step | wall ms/step | tok/s | main-thread CPU ms/step | CPU / wall | "
           "other processes' CPU s |\n|---|---|---|---|---|---|---|---|")
     for fmt, t, name, r in rows:

@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.measure import busy_seconds
+from benchmarks.measure import busy_seconds, cpu_line
 from benchmarks.workload import add_workload_args, run_engine, warm_up_workload, workload_from_args
 from engine_core.engine import LLMEngine
 
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, int], float]:
     a = ap.parse_args(argv)
     counts = [int(t) for t in a.threads.split(",")]
     rows: dict[tuple[str, int], float] = {}
+    print(cpu_line())
     print("| dtype | threads | median output tok/s | CPU / wall | other processes' CPU s per run | speedup |\n"
           "|---|---|---|---|---|---|")
     for dtype in a.dtypes.split(","):

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.measure import machine_busy_seconds, tree_cpu_seconds
+from benchmarks.measure import cpu_line, machine_busy_seconds, tree_cpu_seconds
 from benchmarks.vs_vllm import QUIET_SHARE, VllmProcess, engine_format_kwargs
 from benchmarks.workload import token_agreement
 from engine_core.engine import LLMEngine
@@ -126,6 +126,7 @@ def _med(xs: list[float]) -> str:
 def report(runs: dict[tuple[str, str], list[dict[str, Any]]], workloads: dict[str, Any], order: list[str]
            ) -> dict[str, Any]:
     names = list(workloads)
+    print(cpu_line())
     print("\n| side | batch 1: decode ms/token (all / quiet) | batch 1: tok/s | batch 1: first token ms | "
           + " | ".join(f"{n}: output tok/s (all / quiet)" for n in names[1:]) + " | runs quiet / all |")
     print("|---" * (5 + len(names[1:])) + "|")

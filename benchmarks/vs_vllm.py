@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.measure import machine_busy_seconds, tree_cpu_seconds
+from benchmarks.measure import cpu_line, machine_busy_seconds, tree_cpu_seconds
 from benchmarks.throughput import load_hf, run_hf
 from benchmarks.workload import (Workload, add_workload_args, run_engine, token_agreement, warm_up_workload,
                                  workload_from_args)
@@ -232,6 +232,7 @@ def report(sides: list[Side], w: Workload) -> dict[str, Any]:
     best set-up, sides[1] the (first) engine."""
     rates = {s.name: [w.num_output_tokens / x for x in s.walls] for s in sides}
     med = {name: statistics.median(r) for name, r in rates.items()}
+    print(cpu_line())
     print("\n| side | median output tok/s | spread (min-max) | 1-min load average at each run |\n|---|---|---|---|")
     for s in sides:
         r = rates[s.name]
