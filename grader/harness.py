@@ -66,6 +66,7 @@ from engine_core.worker.kv_scales import KVAmax, save_kv_amax
 from engine_core.models.attention import AttentionMetadata, AttentionPlan, LayerKV  # lab 14
 from engine_core.worker.input_batch import InputBatch  # lab 14
 from engine_core.worker.sampler import Sampler  # lab 14
+from engine_core.core.kv_offload import OffloadTier  # lab 16
 
 __all__ = ["save_kv_amax", "GPUS", "LLM", "BlockHash", "BlockPool", "EngineConfig", "EngineRun", "FakeRunner", "KVAmax", "KVCache",
            "KVCacheBlock", "KVCacheManager", "LLMEngine", "build_manager", "build_pool", "check_invariants", "ModelSpec", "Request", "RequestStatus", "SamplingParams",
@@ -82,7 +83,9 @@ __all__ = ["save_kv_amax", "GPUS", "LLM", "BlockHash", "BlockPool", "EngineConfi
            # weight quantization (lab 13)
            "Linear", "Int8LinearMethod", "RTNLinearMethod", "gguf_path",
            # the hot loop's pieces (lab 14)
-           "AttentionMetadata", "AttentionPlan", "LayerKV", "InputBatch", "Sampler"]
+           "AttentionMetadata", "AttentionPlan", "LayerKV", "InputBatch", "Sampler",
+           # long-context KV (lab 16)
+           "OffloadTier"]
 
 # tiny-llama's shape: 2 layers x 2 KV heads x 16 dims, 512 bytes of fp32 KV per token
 TINY_SPEC = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,

@@ -89,6 +89,11 @@ SAMPLER = "engine_core.worker.sampler.Sampler"
 INPUT_BATCH = "engine_core.worker.input_batch.InputBatch"
 LAB15 = "15_fine_tune_to_serve"
 NF4 = "engine_core.models.quantization.nf4"
+LAB16 = "16_long_context_kv"
+SLIDING_WINDOW = "engine_core.core.sliding_window"
+KV_EVICTION = "engine_core.core.kv_eviction"
+OFFLOAD_TIER = "engine_core.core.kv_offload.OffloadTier"
+OFFLOAD_COUNTERS = "engine_core.core.kv_offload.OffloadCounters"
 LAB18 = "18_flash_attention"
 TILED_ATTENTION = "kernels.tiled_attention"
 PREFILL_ATTENTION = "kernels.triton.prefill_attention"
@@ -243,6 +248,15 @@ SEAMS: tuple[Seam, ...] = (
     Seam(LAB15, NF4, "nf4_dequantize", "nf4_dequantize"),
     # graded on its own: no engine path runs QLoRA's training forward
     Seam(LAB15, NF4, "qlora_linear", "qlora_linear"),
+
+    # graded on their own (pure block choices); the offload tier's plans: the engine's connector calls both
+    Seam(LAB16, SLIDING_WINDOW, "num_blocks_out_of_window", "num_blocks_out_of_window"),
+    Seam(LAB16, KV_EVICTION, "evict_tokens", "evict_tokens"),
+    Seam(LAB16, OFFLOAD_TIER, "save", "save",
+         _state(OFFLOAD_TIER, "entries", "free_slots", "counters") + _state(OFFLOAD_COUNTERS, "num_saved_blocks")),
+    Seam(LAB16, OFFLOAD_TIER, "load", "load",
+         _state(OFFLOAD_TIER, "entries", "counters")
+         + _state(OFFLOAD_COUNTERS, "num_collisions", "external_prefix_cache_queries", "external_prefix_cache_hits")),
 
     # graded on their own: no engine path calls the PyTorch loop nest (the Triton prefill kernel is its GPU form)
     Seam(LAB18, TILED_ATTENTION, "tiled_attention", "tiled_attention"),

@@ -79,6 +79,10 @@ ENGINE_TESTS = {
                                "tests/core/test_scheduler.py", "-k", "not whatever_shares_the_batch"),
     # NF4's levels, quantizer, forward and the engine serving it
     "15_fine_tune_to_serve": ("tests/models/test_nf4.py",),
+    # the window's block rule and the manager freeing it, the eviction choices, the offload tier and the engine's
+    # connector (tiny-llama: tokens with and without offload, torn copies, collisions)
+    "16_long_context_kv": ("tests/core/test_sliding_window.py", "tests/core/test_kv_eviction.py",
+                           "tests/core/test_kv_offload.py", "tests/worker/test_kv_offload_connector.py"),
     # the PyTorch loop nest and the early exit; the Triton prefill kernel's oracle cases in fp32 and fp16
     "18_flash_attention": ("tests/kernels/test_tiled_attention.py",
                            *(f"tests/kernels/test_kernels_prefill.py::test_prefill_matches_oracle[torch.{dtype}-{group}-8]"
