@@ -310,8 +310,10 @@ class LLMEngine:
         return self.kv_offload.prefetch(token_ids, None if adapter is None else adapter.lora_int_id)
 
     def prometheus_metrics(self) -> str:
-        """The same numbers in Prometheus' text format, with vLLM's metric names and histograms."""
-        return self.scheduler.make_stats().to_prometheus()
+        """The same numbers in Prometheus' text format, with vLLM's metric names and histograms (and the offload
+        tier's counters with kv_offload_bytes)."""
+        text = self.scheduler.make_stats().to_prometheus()
+        return text if self.kv_offload is None else text + self.kv_offload.to_prometheus()
 
 
 def _checked_ids(request_id: Any) -> list[str]:

@@ -18,7 +18,8 @@ from engine_core.core.block_pool import BlockHash
 
 @dataclass
 class OffloadCounters:
-    """What the tier did, named after vLLM's metrics where they exist (`external_prefix_cache_*`)."""
+    """What the tier did, in blocks (vLLM's `external_prefix_cache_*`, which name a connector's lookups, count
+    tokens)."""
 
     num_saved_blocks: int = 0  # copies planned to the tier (kv_offload_saved_blocks)
     num_loaded_blocks: int = 0  # blocks copied back and served (kv_offload_loaded_blocks)

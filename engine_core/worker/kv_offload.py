@@ -284,5 +284,21 @@ class KVOffloadConnector:
                 "kv_offload_collisions": c.num_collisions, "kv_offload_failed_loads": c.num_failed_loads,
                 "kv_offload_usage": self.tier.usage, "kv_offload_load_wait_s": self.load_wait_s}
 
+    def to_prometheus(self) -> str:
+        """The counters in Prometheus' text format. They count blocks where vLLM's `external_prefix_cache_*` count
+        tokens, so they carry the kit's own prefix, not `vllm:`."""
+        c = self.counters
+        rows = [("inference_labs:kv_offload_queried_blocks", "blocks looked up in the CPU offload tier",
+                 c.external_prefix_cache_queries),
+                ("inference_labs:kv_offload_hit_blocks", "of them found there", c.external_prefix_cache_hits),
+                ("inference_labs:kv_offload_saved_blocks", "blocks copied to the CPU offload tier", c.num_saved_blocks),
+                ("inference_labs:kv_offload_loaded_blocks", "blocks copied back and served", c.num_loaded_blocks),
+                ("inference_labs:kv_offload_failed_loads", "blocks recomputed instead: a torn copy or a bad checksum",
+                 c.num_failed_loads),
+                ("inference_labs:kv_offload_collisions", "tier lookups that met another block's hash value",
+                 c.num_collisions)]
+        return "".join(f"# HELP {name} {doc}\n# TYPE {name} counter\n{name} {float(value)}\n"
+                       for name, doc, value in rows)
+
     def shutdown(self) -> None:
         self.copier.shutdown()

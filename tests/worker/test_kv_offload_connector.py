@@ -62,6 +62,9 @@ def test_returning_session_loads_its_blocks_and_tokens_match(reference):
         assert stats["kv_offload_loaded_blocks"] == 5 and stats["prefix_cache_hits"] == 32
         assert stats["kv_offload_failed_loads"] == 0 and stats["kv_offload_collisions"] == 0
         assert stats["external_prefix_cache_hits"] == 5
+        text = e.prometheus_metrics()
+        assert "inference_labs:kv_offload_hit_blocks 5.0\n" in text
+        assert "inference_labs:kv_offload_loaded_blocks 5.0\n" in text
     finally:
         e.shutdown()
 
