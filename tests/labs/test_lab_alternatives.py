@@ -46,6 +46,41 @@ class Alternative:
         return [(region, BEGIN + indent(self.body, "    ") + "    ")]
 
 
+# lab 16: the first key the next query sees, then whole blocks below it
+WINDOW_FIRST_VISIBLE = """\
+for name, value in (("window", window), ("block_size", block_size)):
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+if num_computed_tokens < 0:
+    raise ValueError(f"num_computed_tokens must be >= 0, got {num_computed_tokens}")
+first_visible = max(0, num_computed_tokens - window + 1)
+return first_visible // block_size
+"""
+
+# lab 16: rank the blocks that may stay, keep the best, evict the complement
+EVICT_BY_KEEPING = """\
+if policy not in ("streaming_llm", "h2o"):
+    raise ValueError(f"policy must be 'streaming_llm' or 'h2o', got {policy!r}")
+if num_blocks < 0 or num_sink_blocks < 0:
+    raise ValueError(f"num_blocks and num_sink_blocks must be >= 0, got {num_blocks}, {num_sink_blocks}")
+if num_recent_blocks < 1:
+    raise ValueError(f"num_recent_blocks must be at least 1, got {num_recent_blocks}")
+if budget_blocks < num_sink_blocks + num_recent_blocks:
+    raise ValueError(f"budget_blocks {budget_blocks} cannot hold the sinks and the recent blocks")
+if policy == "h2o" and (block_scores is None or len(block_scores) != num_blocks):
+    raise ValueError("h2o needs block_scores, one per resident block")
+if num_blocks <= budget_blocks:
+    return []
+keep = set(range(num_sink_blocks)) | set(range(num_blocks - num_recent_blocks, num_blocks))
+candidates = [i for i in range(num_blocks) if i not in keep]
+if policy == "streaming_llm":
+    ranked = candidates[::-1]
+else:
+    ranked = sorted(candidates, key=lambda i: (-block_scores[i], -i))
+keep |= set(ranked[:budget_blocks - len(keep)])
+return [i for i in range(num_blocks) if i not in keep]
+"""
+
 # lab 03: the room computed from the written blocks by hand, the costs compared as a product
 CHOOSE_MODE = """\
 kvm = self.kv_cache_manager
@@ -596,6 +631,12 @@ ALTERNATIVES = [
                  "test_batches_under_a_tight_token_budget", "test_close_drains_or_cancels",
                  "test_an_idle_batcher_uses_no_cpu", "test_stress_many_threads_random_aborts",
                  "test_stress_close_while_busy")),
+    Alternative("16_long_context_kv", "num_blocks_out_of_window", "first_visible_key", WINDOW_FIRST_VISIBLE,
+                ("test_window_release_examples", "test_window_release_matches_the_rule",
+                 "test_window_release_refuses_bad_window")),
+    Alternative("16_long_context_kv", "evict_tokens", "rank_what_stays", EVICT_BY_KEEPING,
+                ("test_streaming_llm_keeps_sinks_and_the_recent_window", "test_h2o_keeps_heavy_hitters",
+                 "test_evict_tokens_matches_the_policies", "test_evict_tokens_refuses_bad_settings")),
     Alternative("18_flash_attention", "tiled_attention", "all_rows_one_tile", TILED_ALL_ROWS,
                 ("test_tiled_matches_sdpa_float64", "test_tiled_never_materialises_n_by_n",
                  "test_tiled_fp32_fp16_and_large_logits")),
