@@ -40,7 +40,8 @@ BUGS = [
     # the NaN check after the update: the weights are already garbage
     PlantedBug("nan_checked_after_the_step",
                "        if not torch.isfinite(loss):\n"
-               "            raise FloatingPointError(f\"the loss is {loss.item()} at step {step}: the run diverged; lower \"\n"
+               "            raise FloatingPointError(f\"the loss is {loss.item()} at step {step}: the run diverged; "
+               "lower \"\n"
                "                                     f\"learning_rate (got {lr})\")\n"
                "        optimizer.zero_grad()\n"
                "        loss.backward()\n"
@@ -49,7 +50,8 @@ BUGS = [
                "        loss.backward()\n"
                "        optimizer.step()\n"
                "        if not torch.isfinite(loss):\n"
-               "            raise FloatingPointError(f\"the loss is {loss.item()} at step {step}: the run diverged; lower \"\n"
+               "            raise FloatingPointError(f\"the loss is {loss.item()} at step {step}: the run diverged; "
+               "lower \"\n"
                "                                     f\"learning_rate (got {lr})\")\n"),
     # gradients never zeroed: they accumulate over the steps
     PlantedBug("gradients_accumulate", "        optimizer.zero_grad()\n        loss.backward()",

@@ -198,7 +198,8 @@ def build_app(llm: AsyncLLM, served_model_name: str, chat_template: str | None =
     @app.get("/v1/models")
     async def models() -> ModelList:
         cards = [ModelCard(id=served_model_name, root=served_model_name, max_model_len=llm.max_model_len)]
-        cards += [ModelCard(id=name, root=lora.lora_path, max_model_len=llm.max_model_len) for name, lora in adapters.items()]
+        cards += [ModelCard(id=name, root=lora.lora_path, max_model_len=llm.max_model_len)
+                  for name, lora in adapters.items()]
         return ModelList(data=cards)
 
     @app.post("/tokenize")
