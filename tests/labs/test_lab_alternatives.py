@@ -559,6 +559,32 @@ class ContinuousBatcher:
                         entry[3]._end("length")
 """
 
+NF4_BUCKETIZE = """\
+if block_size <= 0 or block_size % 2 or weight.numel() % block_size:
+    raise ValueError(f"weight has {weight.numel()} weights: not whole blocks of block_size={block_size}")
+blocks = weight.detach().float().reshape(-1, block_size)
+absmax = blocks.abs().max(dim=1).values
+safe = absmax.clone()
+safe[safe == 0] = 1.0
+levels = torch.tensor(NF4_LEVELS)
+idx = torch.bucketize(blocks / safe[:, None], (levels[1:] + levels[:-1]) / 2).to(torch.uint8).flatten()
+pairs = idx.reshape(-1, 2)
+return pairs[:, 0] * 16 + pairs[:, 1], absmax
+"""
+
+PACK_IN_TORCH = """\
+if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+    raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+empty = [i for i, e in enumerate(examples) if not e]
+if empty:
+    raise ValueError(f"examples[{empty[0]}] is empty")
+ids = torch.tensor([t for e in examples for t in (*e, eos_id)], dtype=torch.long)
+pos = torch.cat([torch.arange(len(e) + 1) for e in examples]) if examples else torch.zeros(0, dtype=torch.long)
+n = ids.numel() // seq_len * seq_len
+return ids[:n].view(-1, seq_len), pos[:n].view(-1, seq_len)
+"""
+
+
 ALTERNATIVES = [
     Alternative("03_preemption", "choose_preemption_mode", "room_by_hand", CHOOSE_MODE,
                 ("test_forced_modes_and_fallbacks", "test_swap_room_counts_written_blocks_only",
@@ -631,6 +657,11 @@ ALTERNATIVES = [
                  "test_batches_under_a_tight_token_budget", "test_close_drains_or_cancels",
                  "test_an_idle_batcher_uses_no_cpu", "test_stress_many_threads_random_aborts",
                  "test_stress_close_while_busy")),
+    Alternative("15_fine_tune_to_serve", "nf4_quantize", "bucketize_midpoints", NF4_BUCKETIZE,
+                ("test_nf4_one_block_by_hand", "test_nf4_blocks_and_zero_block", "test_nf4_bad_size",
+                 "test_engine_serves_your_nf4")),
+    Alternative("15_fine_tune_to_serve", "pack_examples", "tensors_not_lists", PACK_IN_TORCH,
+                ("test_pack_by_hand", "test_pack_contract_cases", "test_pack_bad_input")),
     Alternative("16_long_context_kv", "num_blocks_out_of_window", "first_visible_key", WINDOW_FIRST_VISIBLE,
                 ("test_window_release_examples", "test_window_release_matches_the_rule",
                  "test_window_release_refuses_bad_window")),
