@@ -431,6 +431,33 @@ def test_serving_decision(student):
                       "serving_decision(): one letter per question")
 
 
+def _spec_perplexity(model, windows):
+    """float64: exp of the mean over every predicted token of -log softmax(logits)[next token]."""
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for w in windows:
+            logp = torch.log_softmax(model(input_ids=w).logits[0, :-1].double(), dim=-1)
+            nll -= logp.gather(1, w[0, 1:, None]).sum().item()
+            count += w.shape[1] - 1
+    return math.exp(nll / count)
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("perplexity")
+def test_perplexity_token_weighted(student):
+    """tiny-llama (random weights) on windows of 17 and 40 random tokens: exp of the token-weighted mean NLL of the
+    55 predicted tokens, within 1e-5 of float64 (the mean of the two windows' perplexities, or of their losses,
+    differs by far more on these lengths)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(preset_path("tiny-llama"), dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(7)
+    windows = [torch.randint(3, 500, (1, 17), generator=gen), torch.randint(3, 500, (1, 40), generator=gen)]
+    windows[0][0, 1:9] = 5  # a repeated run: its tokens are easier, so the two windows' losses differ
+    expect_close(student.perplexity(model, windows), _spec_perplexity(model, windows),
+                 "perplexity(tiny-llama, windows of 17 and 40 tokens)", rtol=1e-5)
+
+
 # ---- task 4: packing (contract only) ------------------------------------------------------------------
 
 def _spec_pack(examples, seq_len, eos_id):

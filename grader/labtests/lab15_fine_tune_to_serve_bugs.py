@@ -69,4 +69,9 @@ BUGS = [
     PlantedBug("overhead_without_lm_head",
                "s.num_layers * sum(i * o for i, o in shapes.values()) + s.vocab_size * s.hidden_size",
                "s.num_layers * sum(i * o for i, o in shapes.values())"),
+    # each window's loss averaged, not each token's
+    PlantedBug("perplexity_window_averaged", 'reduction="sum"', 'reduction="mean"',
+               more=(("count += targets.numel()", "count += 1"),)),
+    # the targets not shifted: each position scored on its own token
+    PlantedBug("perplexity_unshifted", "targets = window[0, 1:]", "targets = window[0, :-1]"),
 ]
