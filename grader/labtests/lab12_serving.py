@@ -760,3 +760,97 @@ def test_router_routes_by_length(student):
                  "(length_aware, threshold 64, long pool = replicas 2 and 3, 3 arrivals in flight): the replicas")
     expect_equal(sorted(pool_down), URLS[:2], "the same 40 prompts with replicas 2 and 3 down, none finishing: the "
                  "replicas used")
+
+
+# ---- task 10: the capstone (Custom GPTs) ------------------------------------------------------------------
+
+CAPSTONE = {"sessions": 100_000, "long_share": 0.05, "short_tokens": 2000, "long_tokens": 32_000,
+            "num_gpts": 2000, "lora_rank": 16, "lora_slots": 16}
+
+
+@functools.cache
+def _capstone():
+    """Written from the kit's functions: Llama-3-8B, H100, 0.9, blocks of 16, 8192 batched tokens. KV 131072 B per
+    token x 2000 = 262.1 MB; an adapter 16 x (8192 + 2 x 5120 + 8192 + 3 x 18432) x 32 layers x 2 B = 83.9 MB;
+    224 short sessions per GPU beside 16 slots: 425 GPUs; 32,000-token sessions: 14 per GPU (358 GPUs) or 32 per
+    TP=2 group (314 GPUs); 2,000 adapters: 167.8 GB."""
+    from engine_core import capacity_planner, memory
+
+    spec = memory.ModelSpec(num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_heads=8, head_dim=128,
+                            intermediate_size=14336, vocab_size=128256)
+    h100 = capacity_planner.GPUS["H100-80GB"]
+    adapter = 16 * (8192 + 2 * 5120 + 8192 + 3 * 18432) * 32 * 2
+
+    def fits(gpus, context):
+        return capacity_planner.max_concurrent_requests(gpus * h100.memory_bytes, 0.9, spec, context, "bf16", 16, 8192,
+                                                        non_torch_bytes=16 * adapter)
+
+    return {"kv_bytes_per_session": 2 * 32 * 8 * 128 * 2 * 2000, "adapter_bytes": adapter,
+            "short_gpus": math.ceil(95_000 / fits(1, 2000)), "long_gpus_tp1": math.ceil(5000 / fits(1, 32_000)),
+            "long_gpus_tp2": 2 * math.ceil(5000 / fits(2, 32_000)), "host_cache_gb": 2000 * adapter / 1e9}
+
+
+CAPSTONE_KEYS = ["adapter_bytes", "host_cache_gb", "kv_bytes_per_session", "long_gpus_tp1", "long_gpus_tp2",
+                 "short_gpus"]
+
+
+def _capstone_answer(student):
+    got = student.predicted_capstone_plan()
+    expect_equal(sorted(got), CAPSTONE_KEYS, "predicted_capstone_plan(): its keys")
+    return got
+
+
+# Tolerance 1%: the kit's arithmetic. Rejected slips: KV in fp32 (x2), LoRA on q and v only (-73% adapter bytes),
+# TP=2 counted in groups instead of GPUs (-50%), the host cache in GiB (-7%).
+CAPSTONE_RTOL = 0.01
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("capstone")
+def test_predicted_capstone_memory(student):
+    """KV of a 2,000-token session 262.1 MB, one rank-16 adapter on all seven projections 83.9 MB, the 2,000
+    adapters in host memory 167.8 GB."""
+    got = _capstone_answer(student)
+    for key, what in [("kv_bytes_per_session", "bytes of KV of one 2,000-token session, bf16"),
+                      ("adapter_bytes", "bytes of one rank-16 LoRA on q, k, v, o, gate, up, down, bf16"),
+                      ("host_cache_gb", "GB of host memory for the 2,000 GPTs' adapters")]:
+        expect_prediction(got[key], _capstone()[key], f"predicted_capstone_plan()['{key}']: {what}",
+                          rtol=CAPSTONE_RTOL)
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("capstone")
+def test_predicted_capstone_gpus(student):
+    """95,000 sessions of 2,000 tokens: 425 H100s at TP=1; 5,000 of 32,000: 358 at TP=1, 314 at TP=2."""
+    got = _capstone_answer(student)
+    for key, what in [("short_gpus", "H100s for 95,000 sessions of 2,000 tokens, TP=1, 16 LoRA slots each"),
+                      ("long_gpus_tp1", "H100s for 5,000 sessions of 32,000 tokens at TP=1"),
+                      ("long_gpus_tp2", "H100s for 5,000 sessions of 32,000 tokens at TP=2 (GPUs, not groups)")]:
+        expect_prediction(got[key], _capstone()[key], f"predicted_capstone_plan()['{key}']: {what}",
+                          rtol=CAPSTONE_RTOL)
+
+
+def _failover_owners(allowed: set[str], keys: list[str]) -> list[str | None]:
+    """The reference ring's owner of each key among `allowed` (the sorted-list model, no bisect)."""
+    ring = HashRing(URLS[:3])
+    return [_ring_owner(ring, _key_hash(k), allowed) for k in keys]
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("capstone")
+@pytest.mark.end_to_end
+def test_router_failover_moves_only_the_dead_keys(student):
+    """Three replicas, 300 sessions (distinct prompts, light load) through the real router's `choose` with your
+    lookup and prefix_aware; replica 2 dies (marked down): every session on replicas 0 and 1 stays where it was,
+    and replica 2's sessions (about a third) spread over the survivors by the ring."""
+    prompts = [f"session {i}: you are custom GPT number {i % 97}" for i in range(300)]
+    with plug(student, LAB, only=ROUTER) as plugged:
+        router = make_router(URLS[:3], balance_factor=1.25)
+        before = [router.choose({"prompt": p}).url for p in prompts]
+        router.replicas[2].mark_down(60.0)
+        after = [router.choose({"prompt": p}).url for p in prompts]
+    expect_equal(plugged.uncalled(), [], "the router: your functions it never called")
+    keys = [p[:256] for p in prompts]
+    expect_equal(before, _failover_owners(set(URLS[:3]), keys), "300 sessions on 3 replicas: the chosen replicas")
+    expect_equal(after, _failover_owners(set(URLS[:2]), keys),
+                 "the same sessions after replica 2 died: the chosen replicas (replica 0's and 1's unchanged)")

@@ -83,4 +83,9 @@ BUGS = [
                "side = [r for r in replicas if r.url in long_pool] if is_long else list(replicas)"),
     PlantedBug("no_fallback_when_a_side_is_down", "return least_loaded(side or replicas)", "return least_loaded(side)"),
     PlantedBug("length_threshold_unchecked", "    if threshold < 1:\n", "    if False:\n"),
+    # capstone_plan: LoRA on q and v only; TP=2 groups counted instead of GPUs; the host cache in GiB
+    PlantedBug("capstone_lora_on_q_and_v_only",
+               "((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + f) + (f + h))", "((h + q) + (h + kv))"),
+    PlantedBug("capstone_tp2_groups_not_gpus", '"long_gpus_tp2": 2 * math.ceil(', '"long_gpus_tp2": math.ceil('),
+    PlantedBug("capstone_host_cache_in_gib", 'adapter / 1e9}', 'adapter / 2**30}'),
 ]
