@@ -249,7 +249,7 @@ SEAMS: tuple[Seam, ...] = (
     # graded on its own: no engine path runs QLoRA's training forward
     Seam(LAB15, NF4, "qlora_linear", "qlora_linear"),
 
-    # graded on their own (pure block choices); the offload tier's plans: the engine's connector calls both
+    # pure block choices the KV cache manager calls (window, kv_eviction); the offload tier's plans (connector)
     Seam(LAB16, SLIDING_WINDOW, "num_blocks_out_of_window", "num_blocks_out_of_window"),
     Seam(LAB16, KV_EVICTION, "evict_tokens", "evict_tokens"),
     Seam(LAB16, OFFLOAD_TIER, "save", "save",

@@ -9,9 +9,8 @@ import hashlib
 import pickle
 from typing import Sequence
 
+from engine_core.core import kv_eviction, sliding_window
 from engine_core.core.block_pool import BlockHash, BlockPool, KVCacheBlock
-from engine_core.core.kv_eviction import evict_tokens
-from engine_core.core.sliding_window import num_blocks_out_of_window
 from engine_core.request import Request
 
 # vLLM's null block: the entry of a table slot whose block was freed (out of the sliding window, or evicted). It
@@ -179,7 +178,9 @@ class KVCacheManager:
         if not table:
             return 0
         done = self.num_skipped_blocks.get(rid, 0)
-        n = min(num_blocks_out_of_window(num_computed_tokens, self.sliding_window, self.block_size), len(table))
+        # module lookups: lab 16's seams reach the engine
+        n = min(sliding_window.num_blocks_out_of_window(num_computed_tokens, self.sliding_window, self.block_size),
+                len(table))
         if n <= done:
             return 0
         freed = table[done:n]
@@ -204,8 +205,8 @@ class KVCacheManager:
         if policy == "h2o":
             held = self.block_scores.get(rid, [])
             scores = [held[i] if i < len(held) else 0.0 for i in resident]
-        dropped = evict_tokens(policy, len(resident), budget_blocks - partial, num_sink_blocks, num_recent_blocks,
-                               scores)
+        dropped = kv_eviction.evict_tokens(policy, len(resident), budget_blocks - partial, num_sink_blocks,
+                                           num_recent_blocks, scores)
         if not dropped:
             return 0
         freed = [table[resident[j]] for j in dropped]

@@ -5,10 +5,11 @@ against GQA, restoring a session's KV over a link against its prefill), the slid
 (contract only) plans.
 
 The seams (grader/seams.py): `engine_core.core.sliding_window.num_blocks_out_of_window`,
-`engine_core.core.kv_eviction.evict_tokens` (pure functions: graded on their own; the engine's windowed and evicting
-paths are not on the lab's engine run) and `OffloadTier.save` / `OffloadTier.load`, which the engine's offload
-connector calls (`kv_offload_bytes`): the end-to-end test runs a returning session through the real engine with
-the learner's two plugged. Expected values come from hand arithmetic on public config.json values (written in the
+`engine_core.core.kv_eviction.evict_tokens` (pure functions the KV cache manager calls through their modules: an
+end-to-end test each runs tiny-mistral-swa's window, or tiny-llama with StreamingLLM, through the engine with the
+learner's function plugged) and `OffloadTier.save` / `OffloadTier.load`, which the engine's offload connector calls
+(`kv_offload_bytes`): the end-to-end test runs a returning session through the real engine with the learner's two
+plugged. Expected values come from hand arithmetic on public config.json values (written in the
 docstrings), from the contracts written out here (`_spec_*`), and from the reference engine run in a
 `functools.cache` helper after the plug block. Every graded check is an `expect_*` observation.
 """
@@ -188,6 +189,45 @@ def test_window_release_refuses_bad_window(student):
                       message="num_blocks_out_of_window(10, window=4, block_size=0)")
 
 
+def _prompt(n, seed):
+    """n token ids in 3..502, fixed by the seed (no tokenizer: the tiny presets' vocabulary is 512)."""
+    return [3 + (seed * 131 + i * 37) % 500 for i in range(n)]
+
+
+def _engine_observed(run, stat):
+    return {"tokens": run.tokens, stat: run.stats[stat], "held": run.held}
+
+
+WINDOWED = [[("w0", _prompt(5, 0), 16), ("w1", _prompt(13, 1), 16), ("w2", _prompt(30, 2), 16)]]
+WINDOWED_ENGINE = dict(model="tiny-mistral-swa", block_size=4, num_gpu_blocks=64, max_num_batched_tokens=16)
+
+
+@functools.cache
+def _reference_windowed():
+    run = run_engine(WINDOWED, **WINDOWED_ENGINE)
+    run.engine.shutdown()
+    return _engine_observed(run, "num_blocks_out_of_window")
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("num_blocks_out_of_window")
+@pytest.mark.end_to_end
+def test_engine_windowed_model_with_your_release(student):
+    """tiny-mistral-swa (every layer sees its last 12 tokens), blocks of 4, prompts of 5, 13 and 30 tokens, 16 new
+    tokens each, chunks of 16: before every step the engine frees the blocks your function says are out of the
+    window (NULL in their table slots). The reference engine's run: the same greedy tokens, the same number of
+    blocks freed out of the window (the engine counts them, not your function), none held at the end."""
+    with plug(student, LAB, only=["num_blocks_out_of_window"]) as plugged:
+        run = run_engine(WINDOWED, **WINDOWED_ENGINE)
+        run.engine.shutdown()
+        uncalled = plugged.uncalled()
+    assert _reference_windowed()["num_blocks_out_of_window"] > 0, "no block left the window (a test bug)"
+    expect_equal(_engine_observed(run, "num_blocks_out_of_window"), _reference_windowed(),
+                 "the windowed model through the engine with your num_blocks_out_of_window: tokens by request, "
+                 "blocks freed out of the window, blocks held at the end")
+    expect_equal(uncalled, [], "seams the engine never called")
+
+
 # ---- task 3: StreamingLLM and H2O at block granularity ------------------------------------------------------
 
 def _spec_evict(policy, num_blocks, budget, sinks, recent, scores=None):
@@ -261,6 +301,46 @@ def test_evict_tokens_refuses_bad_settings(student):
                       message="evict_tokens('lru', ...)")
         expect_raises(ValueError, student.evict_tokens, "h2o", 4, 3, 1, 1, [1.0], match="block_scores",
                       message="evict_tokens('h2o', 4 blocks, ..., block_scores of length 1)")
+
+
+EVICTING = [[("e0", _prompt(3, 3), 16), ("e1", _prompt(10, 4), 16), ("e2", _prompt(29, 5), 16)]]
+EVICTING_ENGINE = dict(block_size=4, num_gpu_blocks=64, max_num_batched_tokens=8, kv_eviction="streaming_llm",
+                       kv_budget_tokens=20, kv_sink_tokens=4, kv_recent_tokens=4)
+
+
+@functools.cache
+def _reference_evicting():
+    run = run_engine(EVICTING, **EVICTING_ENGINE)
+    run.engine.shutdown()
+    return _engine_observed(run, "num_blocks_evicted")
+
+
+@functools.cache
+def _unevicted_tokens():
+    run = run_engine(EVICTING, **{**EVICTING_ENGINE, "kv_eviction": None, "kv_budget_tokens": None,
+                                  "kv_sink_tokens": 0, "kv_recent_tokens": None})
+    run.engine.shutdown()
+    return run.tokens
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("evict_tokens")
+@pytest.mark.end_to_end
+def test_engine_streaming_llm_with_your_eviction(student):
+    """tiny-llama with kv_eviction="streaming_llm": a budget of 20 tokens (5 blocks of 4), 1 sink block, 1 recent
+    block, prompts of 3, 10 and 29 tokens (the last evicted while it is prefilled in chunks of 8), 16 new tokens
+    each. Before every step the engine frees the blocks your function drops: the reference engine's greedy tokens
+    (which depend on which blocks stayed), the same number of blocks evicted, none held at the end."""
+    with plug(student, LAB, only=["evict_tokens"]) as plugged:
+        run = run_engine(EVICTING, **EVICTING_ENGINE)
+        run.engine.shutdown()
+        uncalled = plugged.uncalled()
+    assert _reference_evicting()["num_blocks_evicted"] > 0, "no block evicted (a test bug)"
+    assert _reference_evicting()["tokens"] != _unevicted_tokens(), "eviction changed no token (a test bug)"
+    expect_equal(_engine_observed(run, "num_blocks_evicted"), _reference_evicting(),
+                 "StreamingLLM through the engine with your evict_tokens: tokens by request, blocks evicted, "
+                 "blocks held at the end")
+    expect_equal(uncalled, [], "seams the engine never called")
 
 
 # ---- task 4: the offload tier's save and load ---------------------------------------------------------------
