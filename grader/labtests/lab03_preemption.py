@@ -11,15 +11,17 @@ scheduler instance, so a wrong choose_preemption_mode fails its own tests only, 
 preemption uses the learner's swap_out. The end-to-end tests run tiny-llama under memory pressure:
 the tokens and the preemption counts must equal the reference engine's on the same configuration
 (computed after the plug ends) and the counts derived by hand below, and every GPU and CPU block
-must be free at the end. Every graded check is an `expect_*` observation.
+must be free at the end. The sizing rule `knee_max_num_seqs` (issue #45, V6) is a plain function, graded on hand
+cases and against the reference engine's preemption counter swept over max_num_seqs; `predicted_knee_llama3_8b`
+is its graded prediction. Every graded check is an `expect_*` observation.
 """
 import functools
 
 import pytest
 import torch
 
-from grader.harness import (GPUS, TINY_SPEC, KVCache, ModelSpec, RequestStatus, SchedulerOutput, build_manager,
-                            make_request, make_scheduler, memory, run_engine)
+from grader.harness import (GPUS, TINY_SPEC, KVCache, ModelSpec, RequestStatus, SamplingParams, SchedulerOutput,
+                            build_manager, make_engine, make_request, make_scheduler, memory, run_engine)
 from grader.observe import expect_equal, expect_prediction, expect_raises
 from grader.plug import plug
 
@@ -557,3 +559,86 @@ def test_swap_with_prefix_caching(student):
                  f"{setup}: preemption, swap and prefix-cache counts")
     expect_equal(run.tokens, _reference(key)[0], f"{setup}: each request's tokens (the reference engine's)")
     expect_equal(run.held, [], f"{setup}: (pool, block, ref_cnt) still held after every request finished")
+
+
+# ---- the max_num_seqs knee -------------------------------------------------------------------
+
+# (num_blocks, block_size, prompt_len, max_tokens, knee, why): the engine writes KV for every position but the
+# last sampled token, so a request ends holding ceil((prompt_len + max_tokens - 1) / block_size) blocks
+KNEE_CASES = [
+    (24, 4, 9, 8, 6, "9 + 8 - 1 = 16 positions of KV fill exactly 4 blocks: the last sampled token needs no slot"),
+    (24, 4, 9, 6, 6, "9 + 6 - 1 = 14 positions: 3.5 blocks, and a partly filled block is a whole block"),
+    (8, 4, 8, 1, 4, "max_tokens 1: only the prompt's 8 positions are ever written"),
+    (10, 16, 1, 1, 10, "one position per request, one block each"),
+    (100, 16, 300, 200, 3, "499 positions in 32 blocks: 3 requests take 96 of the 100 blocks"),
+    (5, 4, 20, 10, 0, "29 positions need 8 blocks: no request ever fits alone, no setting avoids preemption"),
+]
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("knee")
+def test_knee_max_num_seqs_hand_cases(student):
+    """knee_max_num_seqs: num_blocks // ceil((prompt_len + max_tokens - 1) / block_size), the most identical
+    requests whose KV at their last step fits the cache together."""
+    for blocks, size, prompt, out, want, why in KNEE_CASES:
+        expect_equal(student.knee_max_num_seqs(blocks, size, prompt, out), want,
+                     f"knee_max_num_seqs(num_blocks={blocks}, block_size={size}, prompt_len={prompt}, "
+                     f"max_tokens={out}): {why}")
+
+
+SWEEP = (1, 2, 4, 6, 7, 8, 16)
+SWEEP_BLOCKS, SWEEP_PROMPT, SWEEP_OUTPUT, SWEEP_REQUESTS = 24, 9, 8, 12
+
+
+def sweep_run(max_num_seqs: int) -> dict:
+    """tiny-llama, 24 blocks of 4, recompute mode, 12 requests of 9 prompt + 8 output tokens arriving together:
+    the engine's preemption count and the most requests it ever held in `running` at once."""
+    engine = make_engine("tiny-llama", block_size=4, num_gpu_blocks=SWEEP_BLOCKS, max_model_len=64,
+                         max_num_batched_tokens=64, max_num_seqs=max_num_seqs, preemption_mode="recompute")
+    for i in range(SWEEP_REQUESTS):
+        engine.add_request(f"r{i}", [3 + 11 * i + j for j in range(SWEEP_PROMPT)],
+                           SamplingParams(max_tokens=SWEEP_OUTPUT, temperature=0.0, ignore_eos=True),
+                           arrival_time=float(i))
+    peak = steps = 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        assert steps <= 2000, f"the engine made no progress in 2000 steps ({engine.stats()})"
+        engine.step()
+        peak = max(peak, len(engine.scheduler.running))
+    return {"preemptions": engine.stats()["num_preemptions"], "peak_running": peak}
+
+
+@pytest.mark.points(2)
+@pytest.mark.task("knee")
+def test_knee_matches_the_engine_sweep(student):
+    """The reference engine run at each max_num_seqs of SWEEP (no plug: the knee is a rule, not an engine
+    function): no preemption exactly up to your knee, and up to it every allowed seat is taken (peak running
+    = max_num_seqs); above it admission fills the blocks with prompts (3 blocks each: 8 requests) and the
+    growing KV forces preemptions."""
+    knee = student.knee_max_num_seqs(SWEEP_BLOCKS, 4, SWEEP_PROMPT, SWEEP_OUTPUT)
+    admitted = SWEEP_BLOCKS // -(-SWEEP_PROMPT // 4)
+    setup = (f"tiny-llama, {SWEEP_BLOCKS} blocks of 4, {SWEEP_REQUESTS} requests of {SWEEP_PROMPT} prompt + "
+             f"{SWEEP_OUTPUT} output tokens, recompute mode")
+    got = {m: sweep_run(m) for m in SWEEP}
+    expect_equal({m: r["preemptions"] == 0 for m, r in got.items()}, {m: m <= knee for m in SWEEP},
+                 f"{setup}: max_num_seqs -> no preemption (the engine's counter), against max_num_seqs <= your knee "
+                 f"{knee}")
+    expect_equal({m: r["peak_running"] for m, r in got.items()},
+                 {m: min(m, SWEEP_REQUESTS, admitted) for m in SWEEP},
+                 f"{setup}: max_num_seqs -> the most requests running at once (seats, or blocks for {admitted} "
+                 f"prompts)")
+
+
+LLAMA3_8B_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads, 128 dims, bf16
+
+
+@pytest.mark.points(1)
+@pytest.mark.task("knee_prediction")
+def test_predicted_knee_llama3_8b(student):
+    """Llama-3.1-8B in bf16 with 54 GiB of KV cache in blocks of 16, requests of 1,800 prompt + 600 output tokens:
+    the largest max_num_seqs that never preempts (exact: an integer rule)."""
+    num_blocks = 54 * 2**30 // (16 * LLAMA3_8B_KV_BYTES_PER_TOKEN)
+    want = num_blocks // -(-(1800 + 600 - 1) // 16)
+    expect_prediction(int(student.predicted_knee_llama3_8b()), want,
+                      "the largest max_num_seqs that never preempts: Llama-3.1-8B bf16, 54 GiB of KV cache in blocks "
+                      "of 16 tokens, every request 1,800 prompt + 600 output tokens (requests)")

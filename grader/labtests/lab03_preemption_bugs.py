@@ -46,4 +46,14 @@ BUGS = [
     # prediction: the busy step's own KV reads forgotten: it looks compute-bound much earlier
     PlantedBug("prediction_ignores_the_batch_kv", "read_s = (2 * params / tp + 64 * 2000 * kv_per_gpu)",
                "read_s = (2 * params / tp)"),
+    # the knee: a partly filled block rounded away, the output forgotten, the last sampled token given a slot
+    PlantedBug("knee_floor_blocks", "blocks_per_request = cdiv(prompt_len + max_tokens - 1, block_size)",
+               "blocks_per_request = (prompt_len + max_tokens - 1) // block_size"),
+    PlantedBug("knee_prompt_only", "blocks_per_request = cdiv(prompt_len + max_tokens - 1, block_size)",
+               "blocks_per_request = cdiv(prompt_len, block_size)"),
+    PlantedBug("knee_last_token_holds_kv", "blocks_per_request = cdiv(prompt_len + max_tokens - 1, block_size)",
+               "blocks_per_request = cdiv(prompt_len + max_tokens, block_size)"),
+    # prediction: the knee from the prompts' blocks only (admission's view, not the last step's)
+    PlantedBug("knee_prediction_prompt_only", "blocks_per_request = -(-(1800 + 600 - 1) // 16)",
+               "blocks_per_request = -(-1800 // 16)"),
 ]
