@@ -602,7 +602,7 @@ def sweep_run(max_num_seqs: int) -> dict:
     peak = steps = 0
     while engine.has_unfinished_requests():
         steps += 1
-        assert steps <= 2000, f"the engine made no progress in 2000 steps ({engine.stats()})"
+        assert steps <= 2000, "the engine made no progress in 2000 steps (a test bug)"
         engine.step()
         peak = max(peak, len(engine.scheduler.running))
     return {"preemptions": engine.stats()["num_preemptions"], "peak_running": peak}
