@@ -611,15 +611,15 @@ def sweep_run(max_num_seqs: int) -> dict:
 @pytest.mark.points(2)
 @pytest.mark.task("knee")
 def test_knee_matches_the_engine_sweep(student):
-    """The reference engine run at each max_num_seqs of SWEEP (no plug: the knee is a rule, not an engine
-    function): no preemption exactly up to your knee, and up to it every allowed seat is taken (peak running
-    = max_num_seqs); above it admission fills the blocks with prompts (3 blocks each: 8 requests) and the
+    """The engine run at each max_num_seqs of SWEEP, with your preemption code plugged in: no preemption exactly
+    up to your knee, and up to it every allowed seat is taken (peak running = max_num_seqs); above it admission fills the blocks with prompts (3 blocks each: 8 requests) and the
     growing KV forces preemptions."""
     knee = student.knee_max_num_seqs(SWEEP_BLOCKS, 4, SWEEP_PROMPT, SWEEP_OUTPUT)
     admitted = SWEEP_BLOCKS // -(-SWEEP_PROMPT // 4)
     setup = (f"tiny-llama, {SWEEP_BLOCKS} blocks of 4, {SWEEP_REQUESTS} requests of {SWEEP_PROMPT} prompt + "
              f"{SWEEP_OUTPUT} output tokens, recompute mode")
-    got = {m: sweep_run(m) for m in SWEEP}
+    with plug(student, LAB):  # in batch grading the engine's preemption code is the learner's
+        got = {m: sweep_run(m) for m in SWEEP}
     expect_equal({m: r["preemptions"] == 0 for m, r in got.items()}, {m: m <= knee for m in SWEEP},
                  f"{setup}: max_num_seqs -> no preemption (the engine's counter), against max_num_seqs <= your knee "
                  f"{knee}")
