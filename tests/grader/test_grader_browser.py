@@ -96,6 +96,17 @@ def error_banners(page) -> list[str]:
     return [t for t in texts if t.strip()]
 
 
+def dismiss_dialogs(page) -> list[str]:
+    """Close any modal dialog (Escape, JupyterLab's cancel) and return what it said."""
+    dialogs = page.locator(".jp-Dialog")
+    texts = [t for t in dialogs.all_inner_texts() if t.strip()]
+    for _ in texts:
+        page.keyboard.press("Escape")
+    if texts:
+        dialogs.first.wait_for(state="detached", timeout=10_000)
+    return texts
+
+
 @pytest.fixture(scope="module")
 def learner(tmp_path_factory):
     scratch = tmp_path_factory.mktemp("learner")
@@ -131,16 +142,18 @@ def test_run_all_on_a_stub_runs_every_check_cell_and_says_why(browser, learner):
         # Run All, again if nothing has run after a minute: in one make test run (2026-12-02, the suite's other
         # processes starting) a Run All clicked while the kernel started produced no output for 120 s, where a
         # run takes 10-25 s; running every cell again replaces the outputs, so a repeat changes nothing checked
+        dialogs = []  # a modal dialog over the notebook (seen once, 2026-12-04, text unknown) would eat the clicks
         for attempt in range(3):
-            page.locator(".jp-Notebook").first.click()
-            page.locator(".lm-MenuBar-itemLabel", has_text="Run").click()
-            page.locator(".lm-Menu-itemLabel").get_by_text("Run All Cells", exact=True).click()
+            dialogs += dismiss_dialogs(page)
             try:
+                page.locator(".jp-Notebook").first.click(timeout=15_000)
+                page.locator(".lm-MenuBar-itemLabel", has_text="Run").click(timeout=15_000)
+                page.locator(".lm-Menu-itemLabel").get_by_text("Run All Cells", exact=True).click(timeout=15_000)
                 failed.first.wait_for(state="visible", timeout=60_000)
                 break
             except sync_api.TimeoutError:
                 if attempt == 2:
-                    raise
+                    raise AssertionError(f"Run All produced no output; dialogs dismissed: {dialogs}") from None
         page.screenshot(path=str(scratch / "00_warmup_run_all.png"))
         outputs = "\n".join(page.locator(".jp-OutputArea-output").all_inner_texts())
         assert outputs.count("00_warmup: 0 of") == 2 and "[FAIL]" in outputs, outputs[-2000:]
