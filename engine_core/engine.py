@@ -70,7 +70,7 @@ class LLMEngine:
                 raise ValueError("kv_offload_bytes > 0 needs the engine in one process (tensor_parallel_size = "
                                  "pipeline_parallel_size = 1, max_concurrent_batches 1): the tier copies the runner's KV")
             self.kv_offload = KVOffloadConnector(self.runner.kv_cache, self.scheduler.kv_cache_manager,
-                                                 config.kv_offload_bytes)
+                                                 config.kv_offload_bytes, running=lambda: self.scheduler.running)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "LLMEngine":

@@ -27,6 +27,7 @@ class OffloadCounters:
     external_prefix_cache_hits: int = 0  # of them found
     num_collisions: int = 0  # a stored hash value with other tokens: a miss
     num_failed_loads: int = 0  # a torn copy or a bad checksum: recomputed instead
+    num_prefetch_skipped_blocks: int = 0  # hits a prefetch left in the tier: the running requests' free blocks
 
 
 class OffloadTier:

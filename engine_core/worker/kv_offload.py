@@ -7,12 +7,19 @@ scheduler's block pool are both here). Its three moments:
   so `before_forward` waits on the copies' completion events first.
 - `prefetch(token_ids)`: the blocks of a prompt that miss the device cache but hit the tier get free device
   blocks (held by the connector) and a copy back, started on the copy thread and overlapped with whatever the
-  engine does meanwhile (other requests' steps). Called by `LLMEngine.add_request` and by a client's hint.
+  engine does meanwhile (other requests' steps). Called by `LLMEngine.add_request` and by a client's hint. A
+  prefetch is speculative, so it never takes the running requests' next blocks: it leaves `reserve_blocks()` free
+  (the blocks each running request needs to write every token it holds plus one more) and skips, counted, the
+  blocks beyond that (they are recomputed, or loaded when the request itself arrives).
 - `before_schedule(waiting)`: a load a waiting request needs is waited for (its completion event, never a sleep);
   a finished load whose checksum matches registers its blocks in the device prefix cache (free, cached), so
   admission finds them as prefix hits and prefills only the rest. A load that never signals or whose CPU copy
   no longer matches its checksum (a torn copy) is dropped: the blocks are freed unregistered, the entries leave
-  the tier, the request recomputes. Nothing unverified is served.
+  the tier, the request recomputes. Nothing unverified is served. When the running requests' reserve is no
+  longer free (they grew, or admissions took blocks, while a hint's copy ran), the speculative copies in flight
+  are finished first: their blocks cannot be handed out while the copy thread writes them, and once registered
+  they are free (cached) blocks, evicted before anything is preempted. A wait of one copy is cheaper than a
+  preempted request's recompute.
 """
 from __future__ import annotations
 
@@ -21,12 +28,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
 from engine_core.core.block_pool import BlockHash, KVCacheBlock
-from engine_core.core.kv_cache_manager import KVCacheManager, hash_block_tokens
+from engine_core.core.kv_cache_manager import KVCacheManager, cdiv, hash_block_tokens
 from engine_core.core.kv_offload import OffloadTier
 from engine_core.request import Request, RequestStatus
 from engine_core.worker.kv_cache import KVCache
@@ -123,7 +130,7 @@ class KVOffloadConnector:
     """Saves finished requests' full blocks to a CPU tier of `num_bytes` and loads them back for a new prefix."""
 
     def __init__(self, kv_cache: KVCache, kv_cache_manager: KVCacheManager, num_bytes: int,
-                 copy_timeout_s: float = 60.0) -> None:
+                 copy_timeout_s: float = 60.0, running: Callable[[], Iterable[Request]] = tuple) -> None:
         if not kv_cache_manager.enable_caching:
             raise ValueError("kv_offload_bytes > 0 needs enable_prefix_caching=True (the tier is keyed by the "
                              "prefix cache's block hashes)")
@@ -136,6 +143,7 @@ class KVOffloadConnector:
         self.tier = OffloadTier(num_bytes // block_bytes)
         self.copier = OffloadCopier(kv_cache, self.tier.num_slots)
         self.copy_timeout_s = copy_timeout_s
+        self.running = running  # the scheduler's running requests, now (their next blocks are never prefetched into)
         self._saves: list[Transfer] = []
         self._save_of_slot: dict[int, Transfer] = {}  # the last save into each slot
         self._loads: dict[str, list[PendingLoad]] = {}  # by request id ("" for a client hint)
@@ -182,10 +190,19 @@ class KVOffloadConnector:
             self.copier.checksums.pop(slot, None)
 
     # ---- a new prompt: prefetch ----------------------------------------------------------
+    def reserve_blocks(self) -> int:
+        """The free blocks a prefetch must leave: what each running request needs to write every token it holds
+        plus one more (its prompt's remaining chunks, or its next decode step). The scheduler has no watermark of
+        its own (vLLM v1 neither): this is the one a speculative copy must respect."""
+        tables = self.kvm.req_to_blocks
+        return sum(max(0, cdiv(r.num_tokens + 1, self.block_size) - len(tables.get(r.request_id, ())))
+                   for r in self.running())
+
     def prefetch(self, token_ids: Sequence[int], lora_id: int | None = None, request_id: str = "") -> int:
-        """Start copying back the blocks of `token_ids` that the device cache misses and the tier holds (at most
-        the free device blocks, and never the last token's block: it is computed for its logits). Returns the
-        number of blocks whose copy started."""
+        """Start copying back the blocks of `token_ids` that the device cache misses and the tier holds (never the
+        last token's block: it is computed for its logits), into free device blocks above `reserve_blocks()`: the
+        blocks found beyond that are skipped (`num_prefetch_skipped_blocks`). Returns the number of blocks whose
+        copy started."""
         extra = None if lora_id is None else (lora_id,)
         hashes = block_chain(token_ids, (len(token_ids) - 1) // self.block_size, self.block_size, extra)
         pool = self.kvm.block_pool
@@ -204,7 +221,9 @@ class KVOffloadConnector:
                     return 0
         hits = [pool.get_cached_block(h) for h in hashes[:first_miss]]
         pool.touch(hits)  # the loaded blocks are worthless without their parents: keep these from eviction
-        slots = self.tier.load(wanted)[:pool.num_free_blocks]
+        found = self.tier.load(wanted)
+        slots = found[:max(0, pool.num_free_blocks - self.reserve_blocks())]
+        self.counters.num_prefetch_skipped_blocks += len(found) - len(slots)
         for slot in slots:  # a save into this slot must end before the copy back reads it
             save = self._save_of_slot.get(slot)
             if save is not None and not save.done.wait(self.copy_timeout_s):
@@ -223,10 +242,11 @@ class KVOffloadConnector:
     def before_schedule(self, waiting_ids: Iterable[str]) -> None:
         """Finish the loads: wait for those a waiting request needs, check and register every load that ended."""
         waiting = set(waiting_ids)
+        pressed = self.kvm.block_pool.num_free_blocks < self.reserve_blocks()  # running requests need the blocks
         for rid in list(self._loads):
             loads = self._loads[rid]
             for load in loads:
-                if rid in waiting and not load.transfer.done.is_set():
+                if (rid in waiting or pressed) and not load.transfer.done.is_set():
                     t0 = time.perf_counter()
                     load.transfer.done.wait(self.copy_timeout_s)
                     self.load_wait_s += time.perf_counter() - t0
@@ -234,7 +254,7 @@ class KVOffloadConnector:
             for load in done:
                 self._finish_load(load)
             rest = [load for load in loads if not load.transfer.done.is_set()]
-            if rid in waiting and rest:  # never signalled within the timeout: a torn copy
+            if (rid in waiting or pressed) and rest:  # never signalled within the timeout: a torn copy
                 for load in rest:
                     self._fail_load(load)
                 rest = []
@@ -282,7 +302,8 @@ class KVOffloadConnector:
                 "external_prefix_cache_queries": c.external_prefix_cache_queries,
                 "external_prefix_cache_hits": c.external_prefix_cache_hits, "kv_offload_hit_rate": hit_rate,
                 "kv_offload_collisions": c.num_collisions, "kv_offload_failed_loads": c.num_failed_loads,
-                "kv_offload_usage": self.tier.usage, "kv_offload_load_wait_s": self.load_wait_s}
+                "kv_offload_usage": self.tier.usage, "kv_offload_load_wait_s": self.load_wait_s,
+                "kv_offload_prefetch_skipped_blocks": c.num_prefetch_skipped_blocks}
 
     def to_prometheus(self) -> str:
         """The counters in Prometheus' text format. They count blocks where vLLM's `external_prefix_cache_*` count
@@ -296,7 +317,9 @@ class KVOffloadConnector:
                 ("inference_labs:kv_offload_failed_loads", "blocks recomputed instead: a torn copy or a bad checksum",
                  c.num_failed_loads),
                 ("inference_labs:kv_offload_collisions", "tier lookups that met another block's hash value",
-                 c.num_collisions)]
+                 c.num_collisions),
+                ("inference_labs:kv_offload_prefetch_skipped_blocks",
+                 "tier hits not prefetched: the running requests' reserve of free blocks", c.num_prefetch_skipped_blocks)]
         return "".join(f"# HELP {name} {doc}\n# TYPE {name} counter\n{name} {float(value)}\n"
                        for name, doc, value in rows)
 

@@ -1,7 +1,10 @@
 """The CPU offload connector in the engine: a returning session's blocks come back from the tier instead of being
 recomputed, with the same greedy tokens; a torn copy, a copy that never signals, or a hash collision is detected
-and recomputed, never served; bad settings are refused. (Its speed: `make bench-kv-offload`, not a timed test.)"""
+and recomputed, never served; a prefetch leaves the running requests' blocks free and its copy is finished first when
+they need more; bad settings are refused. (Its speed: `make bench-kv-offload`, not a timed test.)"""
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -80,6 +83,67 @@ def test_client_hint_prefetches_before_the_request(reference):
         assert session(e, hint) == reference
         assert started[0] == 5 and e.stats()["kv_offload_loaded_blocks"] == 5
     finally:
+        e.shutdown()
+
+
+def test_prefetch_leaves_the_running_requests_blocks(reference, monkeypatch):
+    """A hint while request R decodes: the copy back holds its device blocks until it ends (here: until the engine
+    waits for it, so the test decides nothing by timing). Without the reserve the hint took all 8 free blocks and
+    R, needing one more for its next token, was preempted at once; without finishing the copy first, R was
+    preempted when it needed its 6th block three steps later."""
+    r_prompt = list(range(400, 416))  # 4 full blocks; its 17th token needs a 5th, its 21st a 6th
+    r_params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    e = engine(0)
+    try:
+        e.add_request("r", {"prompt_token_ids": r_prompt}, r_params)
+        r_reference = [list(o.outputs[0].token_ids) for _ in range(9) for o in e.step() if o.finished]
+    finally:
+        e.shutdown()
+    gate = threading.Event()  # set when the engine first waits for the prefetch's copy; the copy thread waits on it
+
+    class EngineWaits(threading.Event):
+        def wait(self, timeout=None):
+            gate.set()
+            return super().wait(timeout)
+
+    e = engine()
+    try:
+        first = run(e, "a1", A)
+        run(e, "b1", B)
+        e.add_request("r", {"prompt_token_ids": r_prompt}, r_params)
+        e.step()  # R's prompt: it holds 4 blocks (A's 3 device hits evicted for them), 8 are free
+        c, pool = e.kv_offload, e.scheduler.kv_cache_manager.block_pool
+        copy, submit = c.copier._copy, c.copier.submit
+
+        def gated_copy(job):
+            if job.kind == "load":
+                gate.wait(60)
+            copy(job)
+
+        def signalling_submit(job):
+            if job.kind == "load":
+                job.done = EngineWaits()
+            return submit(job)
+
+        monkeypatch.setattr(c.copier, "_copy", gated_copy)
+        monkeypatch.setattr(c.copier, "submit", signalling_submit)
+        started = e.prefetch({"prompt_token_ids": A + first + [77, 78, 79, 80, 81]})
+        # 8 of A's blocks are in the tier, 8 device blocks free; R's next token needs 1: 7 copies start, 1 skipped
+        assert (started, e.stats()["kv_offload_prefetch_skipped_blocks"]) == (7, 1)
+        assert pool.num_free_blocks == c.reserve_blocks() == 1
+        r_tokens = None
+        for i in range(9):
+            for o in e.step():
+                r_tokens = list(o.outputs[0].token_ids) if o.finished else r_tokens
+            if i == 0:
+                assert not gate.is_set()  # R's block was free: the step did not wait for the copy
+        stats = e.stats()
+        assert stats["num_preemptions"] == 0 and r_tokens == r_reference[0]
+        assert gate.is_set() and stats["kv_offload_loaded_blocks"] == 7  # finished when R needed its 6th block
+        assert "inference_labs:kv_offload_prefetch_skipped_blocks 1.0\n" in e.prometheus_metrics()
+        assert run(e, "a2", A + first + [77, 78, 79, 80, 81]) == reference[2]
+    finally:
+        gate.set()
         e.shutdown()
 
 
