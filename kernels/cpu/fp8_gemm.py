@@ -15,9 +15,11 @@ import torch
 from kernels.cpu import _profiled, load, load_error
 from kernels.cpu.interface import Fp8GemmArgs
 
-__all__ = ["fp8_dequantize", "fp8_w8a16_applies", "fp8_w8a16_gemm"]
+__all__ = ["PACK_BLOCK", "fp8_dequantize", "fp8_pack", "fp8_packed_native", "fp8_unpack", "fp8_w8a16_applies",
+           "fp8_w8a16_gemm", "fp8_w8a16_packed_gemm"]
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the activation dtypes, as the C call's `bf16` flag
+PACK_BLOCK = 32  # output rows of a packed block (csrc/fp8_gemm_packed.c's BLOCK)
 
 
 def fp8_w8a16_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -54,6 +56,58 @@ def fp8_w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
     return out
 
 
+def fp8_packed_native(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the library computes the packed GEMM for bf16 x on AVX512-BF16 dot products (elsewhere it is a
+    slow reference in C, and the engine keeps the row-major weight and `fp8_w8a16_gemm`)."""
+    lib = lib or load()
+    return lib is not None and bool(lib.fp8_packed_native(1))
+
+
+def fp8_pack(q: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn `[n, k]` -> the same codes as `[ceil(n / 32), ceil(k / 2), 32, 2]` (zero codes padding n and
+    k): for each block of 32 output rows and each pair of k, the 32 rows' two codes side by side, the layout
+    vdpbf16ps multiplies with a pair of x (csrc/fp8_gemm_packed.c). One byte a weight, as before."""
+    if q.dtype != torch.float8_e4m3fn or q.dim() != 2:
+        raise ValueError(f"fp8_pack: q must be float8_e4m3fn [n, k], got {q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    nb, pairs = -(-n // PACK_BLOCK), -(-k // 2)
+    padded = torch.zeros(nb * PACK_BLOCK, pairs * 2, dtype=torch.uint8, device=q.device)
+    padded[:n, :k] = q.view(torch.uint8)
+    return padded.reshape(nb, PACK_BLOCK, pairs, 2).permute(0, 2, 1, 3).contiguous().view(torch.float8_e4m3fn)
+
+
+def fp8_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """`fp8_pack`'s inverse: the `[n, k]` codes (a new tensor)."""
+    nb, pairs = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(nb * PACK_BLOCK, pairs * 2)[:n, :k].contiguous()
+
+
+def fp8_w8a16_packed_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                          residual: torch.Tensor | None = None, lib: ctypes.CDLL | None = None,
+                          check: bool = True) -> torch.Tensor:
+    """`fp8_w8a16_gemm` for bf16 x against `fp8_pack(weight)` (n from scale's length): the products on AVX512-BF16
+    dot products, exact (e4m3 values are bf16 values), summed in fp32. Same contract, same output dtype (bf16)."""
+    lib = lib or load()
+    n = scale.shape[0] if scale.dim() == 1 else -1
+    if check:
+        problem = _packed_problem(x, packed, n) or _problem(x, _shape_only(packed, n, x), scale, bias, residual) or (
+            None if lib is not None else f"the C kernels: {load_error()}")
+        if problem:
+            raise ValueError(f"fp8_w8a16_packed_gemm: {problem}")
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=x.dtype)
+    if m and n:
+        with _profiled("kernels.cpu.fp8_w8a16_packed_gemm"):
+            args = Fp8GemmArgs(out.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                               None if residual is None else residual.data_ptr(), packed.data_ptr(),
+                               scale.data_ptr(), m, n, k, x.stride(0), 0 if residual is None else residual.stride(0),
+                               1)
+            status = lib.fp8_gemm_w8a16_packed(ctypes.byref(args))
+        if status:  # KERNELS_CPU_NO_MEMORY, its only failure
+            raise MemoryError(f"fp8_w8a16_packed_gemm: no memory for a decoded block ({k} x {PACK_BLOCK} bf16)")
+    return out
+
+
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                    lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """float8_e4m3fn `[n, k]` (or its uint8 bits) times fp32 scale `[n]` -> `[n, k]` in `dtype` (fp32 or bf16),
@@ -69,6 +123,22 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     if q.numel():
         lib.fp8_dequantize(out.data_ptr(), q.data_ptr(), scale.data_ptr(), q.shape[0], q.shape[1], _DTYPES[dtype])
     return out
+
+
+def _packed_problem(x: torch.Tensor, packed: torch.Tensor, n: int) -> str | None:
+    if x.dtype != torch.bfloat16:
+        return f"x must be bf16 (fp32 x runs fp8_w8a16_gemm: no silent rounding to bf16), got {x.dtype}"
+    k = x.shape[-1]
+    want = (-(-n // PACK_BLOCK), -(-k // 2), PACK_BLOCK, 2)
+    if packed.dtype != torch.float8_e4m3fn or tuple(packed.shape) != want or not packed.is_contiguous():
+        return (f"packed must be fp8_pack's float8_e4m3fn {list(want)} (n = len(scale) = {n}, k = {k}), contiguous, "
+                f"got {packed.dtype} {tuple(packed.shape)}")
+    return None
+
+
+def _shape_only(packed: torch.Tensor, n: int, x: torch.Tensor) -> torch.Tensor:
+    """An fp8 `[n, k]` stand-in (no data) for `_problem`'s checks of scale, bias and residual."""
+    return torch.empty(n, x.shape[-1], dtype=torch.float8_e4m3fn, device=packed.device)
 
 
 def _problem(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,

@@ -71,6 +71,8 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     **{f"skinny_gemm_{t}": (_by_ref(SkinnyGemmArgs), None) for t in ("f32", "bf16")},
     "ggml_mul_mat_a8": (_by_ref(GgmlMulMatA8Args), ctypes.c_int),
     "fp8_gemm_w8a16": (_by_ref(Fp8GemmArgs), ctypes.c_int),
+    "fp8_gemm_w8a16_packed": (_by_ref(Fp8GemmArgs), ctypes.c_int),
+    "fp8_packed_native": ([_i64], ctypes.c_int),
     "fp8_dequantize": ([_ptr] * 3 + [_i64] * 3, None),
     **{f"rms_norm_{t}": ([_ptr] * 3 + [_i64] * 3 + [ctypes.c_float], None) for t in ("f32", "bf16")},
     **{f"silu_and_mul_{t}": ([_ptr] * 2 + [_i64] * 3, None) for t in ("f32", "bf16")},

@@ -8,19 +8,30 @@ output one rounding (2^-8 relative covers it). Planted bugs (a decode that flush
 a scale off by the 2^8 of the decode, a row of x read for another) are checked to miss that bound, so the bound
 catches them. The fused residual is the separate add bit for bit, the thread count changes no bit, and the
 builds without AVX-512 (the portable decode) meet the same bound.
+
+The packed kernel (`fp8_w8a16_packed_gemm`, bf16 x on vdpbf16ps against `fp8_pack`'s layout): every finite code
+decodes to its exact value (x the identity, scale 1: the output is the code's value, which bf16 holds), through
+both of its ways (the decode in registers up to 8 rows, the decoded buffer above). Its bound is the one above:
+each e4m3 x bf16 product is exact in fp32 (8 x 8 significant bits), each lane adds its k products one at a time
+in fp32 (k u sum |x w|), then acc * scale + bias in one fused multiply-add and one rounding to bf16. Planted
+bugs of its own (a subnormal table off by one entry, the sign dropped, an odd k's last pair or the n tail's
+rows in a half block dropped, the scale of the wrong block) miss that bound. NaN codes (0x7f, 0xff) are not decoded
+specially: the layers' weights come from saturating quantization and hold none (the tests' weights neither).
 """
 from __future__ import annotations
 
 import ctypes
 import re
+import subprocess
 
 import pytest
 import torch
 
 from kernels.cpu import load, load_error
-from kernels.cpu.build import build
-from kernels.cpu.fp8_gemm import fp8_dequantize, fp8_w8a16_applies, fp8_w8a16_gemm
-from kernels.cpu.interface import declare
+from kernels.cpu.build import CSRC, build, detected
+from kernels.cpu.fp8_gemm import (fp8_dequantize, fp8_pack, fp8_packed_native, fp8_unpack, fp8_w8a16_applies,
+                                  fp8_w8a16_gemm, fp8_w8a16_packed_gemm)
+from kernels.cpu.interface import SIGNATURES, declare
 
 U = 2.0**-24
 FP8 = torch.float8_e4m3fn
@@ -157,3 +168,146 @@ def test_bad_inputs_are_refused_with_the_parameter_named() -> None:
     with pytest.raises(ValueError, match=r"fp8_dequantize: q must be float8_e4m3fn"):
         fp8_dequantize(q.float(), s, torch.float32)
     assert fp8_w8a16_applies(x, q) and not fp8_w8a16_applies(x.half(), q) and not fp8_w8a16_applies(x, q.float())
+
+
+# (m, n, k) for the packed kernel: rows in its register way (<= 8) and its buffered way (> 8) with the 8-row
+# groups' remainders, n across its 16-lane halves and 32-row blocks, k odd and even
+PACKED_SHAPES = [(1, 1, 1), (1, 7, 5), (2, 13, 31), (3, 33, 32), (8, 17, 100), (9, 48, 129), (13, 24, 70),
+                 (17, 65, 33), (1, 300, 576), (32, 64, 200)]
+FINITE = CODES[(CODES & 0x7F) != 0x7F]
+
+
+def _packed_libs() -> list[ctypes.CDLL | None]:
+    return [None, _libs()[1]]
+
+
+@pytest.mark.parametrize("lib", _packed_libs(), ids=["native", "portable"])
+def test_packed_every_finite_code_decodes_exactly_in_both_ways(lib) -> None:
+    """x the identity: row r of the output is code r's value (q [3, 254]: three blocks' lanes read the codes)."""
+    q = torch.stack([FINITE, FINITE.flip(0), FINITE.roll(7)]).view(FP8)
+    want = (q.float().T + 0.0).bfloat16()  # exact: e4m3 values are bf16 values (-0 sums to +0 from a +0 start)
+    eye = torch.eye(len(FINITE)).bfloat16()
+    packed = fp8_pack(q)
+    assert torch.equal(fp8_w8a16_packed_gemm(eye, packed, torch.ones(3), lib=lib).view(torch.int16),
+                       want.view(torch.int16))  # 254 rows: the decoded buffer
+    for r0 in range(0, len(FINITE), 8):  # 8 rows: the decode in registers
+        got = fp8_w8a16_packed_gemm(eye[r0:r0 + 8], packed, torch.ones(3), lib=lib)
+        assert torch.equal(got.view(torch.int16), want[r0:r0 + 8].view(torch.int16)), r0
+
+
+def test_pack_is_a_permutation_of_the_codes() -> None:
+    q = _weight(37, 45, torch.Generator().manual_seed(2))
+    packed = fp8_pack(q)
+    assert packed.shape == (2, 23, 32, 2) and packed.dtype == FP8
+    j, i = torch.meshgrid(torch.arange(37), torch.arange(45), indexing="ij")
+    assert torch.equal(packed.view(torch.uint8)[j // 32, i // 2, j % 32, i % 2], q.view(torch.uint8))
+    assert int(packed.view(torch.uint8).sum()) == int(q.view(torch.uint8).sum())  # the padding holds zero codes
+    assert torch.equal(fp8_unpack(packed, 37, 45).view(torch.uint8), q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("lib", _packed_libs(), ids=["native", "portable"])
+def test_packed_matches_the_float64_product(lib) -> None:
+    for m, n, k in PACKED_SHAPES:
+        x, q, scale, b, _ = _inputs(m, n, k, torch.bfloat16, seed=m * n + k)
+        w, packed = _w64(q, scale), fp8_pack(q)
+        assert _excess(fp8_w8a16_packed_gemm(x, packed, scale, b, lib=lib), x, w, b) <= 0, (m, n, k)
+        got = fp8_w8a16_packed_gemm(x, packed, scale, lib=lib)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n) and _excess(got, x, w, None) <= 0, (m, n, k)
+
+
+def test_packed_planted_bugs_miss_the_bound() -> None:
+    """Outputs of plausible wrong packed kernels (computed in float64) fall outside the bound the tests use."""
+    x, q, scale, _, _ = _inputs(9, 56, 131, torch.bfloat16, seed=4)
+    g = torch.Generator().manual_seed(5)  # rows 0-7 of zeros and subnormals only (a per-row scale makes them count)
+    q[:8] = (torch.randint(0, 8, (8, 131), generator=g) | torch.randint(0, 2, (8, 131), generator=g) * 0x80
+             ).to(torch.uint8).view(FP8)
+    w = _w64(q, scale)
+    codes = q.view(torch.uint8).long()
+    sub = ((codes & 0x7F) < 8) & ((codes & 0x7F) > 0)
+    assert int(sub.sum()) > 0
+    shifted = torch.where(sub, q.double() * ((codes & 7) + 1) / (codes & 7).clamp(min=1), q.double())
+    planted = {
+        "subnormal table one entry off": x.double() @ (shifted * scale.double()[:, None]).T,
+        "sign dropped": x.double() @ w.abs().T,
+        "odd k's last pair dropped": x.double()[:, :130] @ w[:, :130].T,
+        "the n tail (8 rows in a half block) dropped": x.double() @ torch.cat([w[:48], 0 * w[48:]]).T,
+        "scale of the wrong block": x.double() @ (q.double() * scale.roll(32).double()[:, None]).T,
+    }
+    for name, wrong in planted.items():  # no bias: it would hide the small subnormal rows under its rounding
+        assert _excess(wrong.bfloat16(), x, w, None) > 0, name
+    assert _excess((x.double() @ w.T).bfloat16(), x, w, None) <= 0
+
+
+# bugs planted in the C source of the AVX512-BF16 path: (what, the line's text, its planted form)
+PLANTED_C = [("subnormal table one entry off", "0x3B00, 0x3B80", "0x3B80, 0x3B80"),
+             ("sign dropped", "return _mm512_ternarylogic_epi32(",
+              "return mag;\n    return _mm512_ternarylogic_epi32("),
+             ("odd k's last pair dropped", "if (k & 1) pair_step", "if (0) pair_step"),
+             ("n tail in a second half dropped", "if (c >= n) break;", "if (c >= n || (h && n - c < 16)) break;"),
+             ("one scale for both halves", "(mask, a->scale + c)", "(mask, a->scale + n0)")]
+
+
+@pytest.mark.skipif(not fp8_packed_native(), reason="the planted lines are in the AVX512-BF16 path")
+def test_packed_planted_bugs_in_the_c_source_fail_these_tests(tmp_path) -> None:
+    """Each bug compiled into fp8_gemm_packed.c alone (its one export) fails the exact decode or the float64 bound;
+    the same file compiled as it is passes both."""
+    source = (CSRC / "fp8_gemm_packed.c").read_text()
+    tc = detected()
+    for i, (what, line, planted) in enumerate([("nothing", "", ""), *PLANTED_C]):
+        assert source.count(line) == 1 or not line, what
+        (tmp_path / "fp8_gemm_packed.c").write_text(source.replace(line, planted) if line else source)
+        out = tmp_path / f"planted{i}.so"
+        done = subprocess.run([tc.cc, *tc.flags, f"-I{CSRC}", str(tmp_path / "fp8_gemm_packed.c"), "-o", str(out)],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        lib = ctypes.CDLL(str(out))
+        lib.fp8_gemm_w8a16_packed.argtypes, lib.fp8_gemm_w8a16_packed.restype = SIGNATURES["fp8_gemm_w8a16_packed"]
+        caught = 0
+        for check in (test_packed_every_finite_code_decodes_exactly_in_both_ways,
+                      test_packed_matches_the_float64_product):
+            try:
+                check(lib)
+            except AssertionError:
+                caught += 1
+        assert caught == 0 if not line else caught, f"planted bug not caught: {what}" if line else "the file as it is"
+
+
+def test_packed_fused_residual_strided_rows_and_the_thread_count() -> None:
+    for m, n, k in PACKED_SHAPES:
+        x, q, scale, b, res = _inputs(m, n, k, torch.bfloat16, seed=k)
+        packed = fp8_pack(q)
+        assert torch.equal(fp8_w8a16_packed_gemm(x, packed, scale, b, res),
+                           res + fp8_w8a16_packed_gemm(x, packed, scale, b)), (m, n, k)
+    x, q, scale, b, res = _inputs(12, 200, 301, torch.bfloat16)
+    packed = fp8_pack(q)
+    wide = torch.full((12, 360), float("nan")).bfloat16()  # NaN past the odd k: the tail must not read it
+    wide[:, 20:321] = x
+    assert torch.equal(fp8_w8a16_packed_gemm(wide[:, 20:321], packed, scale, b),
+                       fp8_w8a16_packed_gemm(x, packed, scale, b))
+    assert torch.equal(fp8_w8a16_packed_gemm(wide[:3, 20:321], packed, scale, b),
+                       fp8_w8a16_packed_gemm(x[:3], packed, scale, b))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [fp8_w8a16_packed_gemm(x[:r], packed, scale, b, res[:r]) for r in (3, 12)]
+        torch.set_num_threads(2)
+        two = [fp8_w8a16_packed_gemm(x[:r], packed, scale, b, res[:r]) for r in (3, 12)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, c) for a, c in zip(one, two))
+
+
+def test_packed_bad_inputs_are_refused_with_the_parameter_named() -> None:
+    x, q, s, b, res = _inputs(2, 8, 16, torch.bfloat16)
+    p = fp8_pack(q)
+    for args, named in [((x.float(), p, s), "x must be bf16"), ((x, q, s), "packed must be fp8_pack's"),
+                        ((x[:, :14], p, s), "packed must be fp8_pack's"),
+                        ((x, p, torch.ones(33)), "packed must be fp8_pack's"),
+                        ((x, p, s.double()), "scale must be fp32 [8]"),
+                        ((x, p, s, b[:7]), "bias must be [8]"), ((x, p, s, b, res[:1]), "residual must be [2, 8]")]:
+        with pytest.raises(ValueError, match=re.escape(f"fp8_w8a16_packed_gemm: {named}")):
+            fp8_w8a16_packed_gemm(*args)
+    with pytest.raises(ValueError, match="fp8_pack: q must be float8_e4m3fn"):
+        fp8_pack(q.float())
+    assert fp8_packed_native() == (load() is not None and bool(load().fp8_packed_native(1)))
+    assert not _libs()[1].fp8_packed_native(1) and not load().fp8_packed_native(0)

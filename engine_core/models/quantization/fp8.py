@@ -20,7 +20,11 @@ computes the sum and applies both scales in its fp32 epilogue.
 CPUs have no fp8 arithmetic (`torch._scaled_mm` on CPU converts the weight each call: 224 ms a call on
 SmolLM2, issue 46), so on CPU the scheme is weight-only (W8A16, as vLLM's Marlin fallback on GPUs without fp8):
 the activation strategy does not apply, x stays in the model's dtype and `kernels.cpu.fp8_gemm` widens the fp8
-weight inside the product: up to `FP8_KERNEL_MAX_ROWS` rows the C kernel (one byte a weight read), above them
+weight inside the product. bf16 models on CPUs with AVX512-BF16 (`fp8_packed_native`) repack the weight once at
+load (`fp8_pack`: the same bytes in blocks of 32 rows x pairs of k, still one byte a weight, the row-major copy
+freed) and every call runs `fp8_w8a16_packed_gemm`: e4m3 decoded exactly to bf16 and multiplied on vdpbf16ps, at
+every batch (issue 46: faster than the bf16 weight's oneDNN GEMM from 1 to 64 rows on SmolLM2's shapes). Elsewhere
+(fp32 models, other CPUs): up to `FP8_KERNEL_MAX_ROWS` rows the fp32 C kernel (one byte a weight read), above them
 the weight dequantized to x's dtype (q * scale rounded once: 2^-9 relative in bf16) and x's own GEMM (oneDNN).
 Without the C kernels, CPU runs the dequantized weight through `F.linear`. `use_kernel=False` keeps the W8A8
 reference path (both sides dequantized to fp32, `F.linear`: what tests compare the Triton GEMM with). The CUDA
@@ -36,7 +40,8 @@ from torch import nn
 import kernels
 from engine_core.models.quantization.base import LinearMethodBase, add_bias_residual, triton_kernels_apply
 from engine_core.models.quantization.int8 import convert_to_channelwise
-from kernels.cpu.fp8_gemm import fp8_dequantize, fp8_w8a16_applies, fp8_w8a16_gemm
+from kernels.cpu.fp8_gemm import (fp8_dequantize, fp8_pack, fp8_packed_native, fp8_unpack, fp8_w8a16_applies,
+                                  fp8_w8a16_gemm, fp8_w8a16_packed_gemm)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448: where quantization saturates
@@ -129,9 +134,10 @@ def fp8_mm_reference(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
 
 
 class Fp8LinearMethod(LinearMethodBase):
-    """The layer holds `weight_fp8` (float8_e4m3fn `[N, K]`) and `weight_scale` (fp32 `[N]`); the dense weight is
-    freed. `logical_widths`: the rows of each fused module (q|k|v, gate|up; one entry otherwise);
-    `use_kernel=False` keeps the reference path (tests compare the two)."""
+    """The layer holds `weight_fp8` (float8_e4m3fn `[N, K]`, or `fp8_pack`'s 4-D layout of it for the bf16 path on
+    AVX512-BF16) and `weight_scale` (fp32 `[N]`); the dense weight is freed. `logical_widths`: the rows of each
+    fused module (q|k|v, gate|up; one entry otherwise); `use_kernel=False` keeps the reference path (tests compare
+    the two)."""
 
     def __init__(self, logical_widths: list[int] | None, weight_strategy: str = "tensor",
                  activation_strategy: str = "tensor", use_kernel: bool = True) -> None:
@@ -143,6 +149,8 @@ class Fp8LinearMethod(LinearMethodBase):
         check_fp8_supported(w.device)
         q, scale = quantize_weight_fp8(w, self.logical_widths or [w.shape[0]], self.weight_strategy)
         del layer.weight
+        if self.use_kernel and w.dtype == torch.bfloat16 and w.is_cpu and fp8_packed_native():
+            q = fp8_pack(q)  # the row-major codes freed: one copy, one byte a weight
         layer.register_buffer("weight_fp8", q)
         layer.register_buffer("weight_scale", scale)
 
@@ -152,30 +160,42 @@ class Fp8LinearMethod(LinearMethodBase):
             res = None if residual is None else residual.reshape(-1, layer.output_size)
             return self._apply_weight_only(layer, rows, res).reshape(*x.shape[:-1], layer.output_size)
         qx, sx = quantize_activation_fp8(rows, self.activation_strategy)
+        qw = self._row_major(layer)
         if self.use_kernel and triton_kernels_apply(rows.device):  # the scales in the kernel's epilogue
-            y = kernels.fp8_gemm(qx, sx, layer.weight_fp8, layer.weight_scale, x.dtype, backend="triton")
+            y = kernels.fp8_gemm(qx, sx, qw, layer.weight_scale, x.dtype, backend="triton")
         else:
-            acc = fp8_mm(qx, layer.weight_fp8) if self.use_kernel else fp8_mm_reference(qx, layer.weight_fp8)
+            acc = fp8_mm(qx, qw) if self.use_kernel else fp8_mm_reference(qx, qw)
             y = (acc * sx * layer.weight_scale).to(x.dtype)
         y = y.reshape(*x.shape[:-1], layer.output_size)
         return add_bias_residual(y, layer.bias, residual)
 
     @staticmethod
-    def _apply_weight_only(layer: nn.Module, rows: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """W8A16 on CPU: the C kernel up to FP8_KERNEL_MAX_ROWS rows, else the weight dequantized to x's dtype."""
+    def _row_major(layer: nn.Module) -> torch.Tensor:
+        """The fp8 codes `[N, K]` (unpacked into a new tensor when the layer holds the packed layout)."""
+        q = layer.weight_fp8
+        return fp8_unpack(q, layer.output_size, layer.input_size) if q.dim() == 4 else q
+
+    @classmethod
+    def _apply_weight_only(cls, layer: nn.Module, rows: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """W8A16 on CPU: the packed bf16 kernel where the weight is packed, else the C kernel up to
+        FP8_KERNEL_MAX_ROWS rows and the weight dequantized to x's dtype above."""
         bias = layer.bias
-        if fp8_w8a16_applies(rows, layer.weight_fp8) and (bias is None or bias.dtype == rows.dtype) and (
-                residual is None or (residual.dtype == rows.dtype and residual.stride(-1) == 1)):
+        fits = rows.is_cpu and rows.stride(-1) == 1 and (bias is None or bias.dtype == rows.dtype) and (
+            residual is None or (residual.dtype == rows.dtype and residual.stride(-1) == 1))
+        if layer.weight_fp8.dim() == 4 and fits and rows.dtype == torch.bfloat16:
+            return fp8_w8a16_packed_gemm(rows, layer.weight_fp8, layer.weight_scale, bias, residual, check=False)
+        q = cls._row_major(layer)
+        if fits and fp8_w8a16_applies(rows, q):
             if rows.shape[0] <= FP8_KERNEL_MAX_ROWS:
-                return fp8_w8a16_gemm(rows, layer.weight_fp8, layer.weight_scale, bias, residual, check=False)
-            w = fp8_dequantize(layer.weight_fp8, layer.weight_scale, rows.dtype)
+                return fp8_w8a16_gemm(rows, q, layer.weight_scale, bias, residual, check=False)
+            w = fp8_dequantize(q, layer.weight_scale, rows.dtype)
         else:
-            w = (layer.weight_fp8.float() * layer.weight_scale[:, None]).to(rows.dtype)
+            w = (q.float() * layer.weight_scale[:, None]).to(rows.dtype)
         return add_bias_residual(F.linear(rows, w), bias, residual)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         """q * scale `[N, K]` in fp32: the weight the scheme computes with."""
-        return layer.weight_fp8.float() * layer.weight_scale[:, None]
+        return self._row_major(layer).float() * layer.weight_scale[:, None]
 
     def weight_bytes(self, layer: nn.Module) -> int:
         return layer.weight_fp8.nbytes + layer.weight_scale.nbytes
