@@ -241,7 +241,8 @@ bench-allreduce: venv
 	$(PY) -m benchmarks.allreduce --world-size 2
 
 # A returning session's TTFT on the real model with the CPU offload tier: recompute vs load vs prefetch, modes
-# alternating, medians of 3 rounds (docs/benchmarks.md).
+# alternating, medians of 3 rounds (docs/benchmarks.md). BENCH_ARGS=--server: recompute vs load through the
+# OpenAI server (two on 127.0.0.1, the openai client streaming; TTFT to the first streamed chunk).
 bench-kv-offload: venv
 	timeout 1200 $(PY) -m benchmarks.kv_offload --rounds 3 $(BENCH_ARGS)
 

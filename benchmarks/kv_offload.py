@@ -8,15 +8,27 @@ them), so the first session's blocks leave it; a short request decodes `--decode
 comes when it starts); then the first session returns with its prompt and `--new-tokens` more. TTFT: from
 `add_request` to the first token. Also printed: the prefix-cache hits and the blocks loaded, how long steps waited
 for copies (the copy a prefetch hides), and the short request's decode time (the copy thread shares the CPU with
-it, so the overlap is not free on a 2-core machine)."""
+it, so the overlap is not free on a 2-core machine).
+
+`--server`: the same returning session through the OpenAI server (`python -m engine_core.entrypoints.openai`, one
+on 127.0.0.1 with `--kv-offload-bytes`, one without), the real `openai` client streaming the returning request;
+TTFT: from sending it to its first streamed chunk. Recompute vs load only: the server has no prefetch hint (nor
+has vLLM's), so a client cannot start a copy ahead of its request. Fresh prompts each round, the two servers in
+turn."""
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
+import urllib.request
 
+import openai
 import torch
 
+from benchmarks.measure import machine_busy_seconds, tree_cpu_seconds
+from benchmarks.server_procs import ServerProcess, free_port
 from engine_core import LLMEngine, SamplingParams
 
 
@@ -55,6 +67,58 @@ def returning_session(args: argparse.Namespace, mode: str, prompts: dict[str, li
         engine.shutdown()
 
 
+def server_sessions(args: argparse.Namespace, ids) -> None:
+    """Recompute vs load through the HTTP server (see the module's docstring); prints the medians."""
+    blocks = -(-(args.prompt_len + 8) // 16) + 8
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+    servers: dict[str, ServerProcess] = {}
+    busy0, wall0 = machine_busy_seconds(), time.perf_counter()
+    try:
+        for mode, tier in (("recompute", 0), ("load", args.tier_mib << 20)):
+            port = free_port()
+            servers[mode] = ServerProcess(f"kv-offload {mode}", [
+                sys.executable, "-m", "engine_core.entrypoints.openai", "--model", args.model, "--port", str(port),
+                "--device", "cpu", "--enable-prefix-caching", "--block-size", "16", "--num-gpu-blocks", str(blocks),
+                "--kv-offload-bytes", str(tier)], port, env=env)
+        for server in servers.values():
+            server.wait_healthy(180)
+        clients = {m: openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0, timeout=120)
+                   for m, s in servers.items()}
+        ttft: dict[str, list[float]] = {m: [] for m in servers}
+        for r in range(args.rounds):
+            session, other = ids(args.prompt_len), ids(args.prompt_len)
+            returning = session + ids(args.new_tokens)
+            for mode, client in clients.items():
+                for prompt in (session, other):
+                    client.completions.create(model=args.model, prompt=prompt, max_tokens=8, temperature=0.0,
+                                              extra_body={"ignore_eos": True})
+                t0 = time.perf_counter()
+                stream = client.completions.create(model=args.model, prompt=returning, max_tokens=8,
+                                                   temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+                first = None
+                for chunk in stream:
+                    if first is None and chunk.choices:
+                        first = time.perf_counter() - t0
+                ttft[mode].append(first if first is not None else float("nan"))
+                print(f"round {r + 1} {mode:9s} ttft_s {ttft[mode][-1]:.3f}", flush=True)
+        metrics = servers["load"].url + "/metrics"
+        with urllib.request.urlopen(metrics, timeout=10) as f:
+            counters = {line.split()[0].split(":")[1]: float(line.split()[1]) for line in f.read().decode().splitlines()
+                        if line.startswith("inference_labs:kv_offload_")}
+        wall = time.perf_counter() - wall0
+        others = machine_busy_seconds() - busy0 - tree_cpu_seconds([s.proc.pid for s in servers.values()])
+    finally:
+        for server in servers.values():
+            server.stop()
+    print(f"\n{args.model} through the OpenAI server, returning prompt {len(returning)} tokens, streamed, "
+          f"OMP_NUM_THREADS={args.threads}, median of {args.rounds}:")
+    for mode, runs in ttft.items():
+        print(f"  {mode:9s} TTFT {1e3 * statistics.median(runs):8.1f} ms")
+    print(f"  load server's tier: {counters['kv_offload_hit_blocks']:.0f} blocks hit, "
+          f"{counters['kv_offload_loaded_blocks']:.0f} loaded, {counters['kv_offload_failed_loads']:.0f} failed")
+    print(f"  other processes took {others:.1f} CPU s of {wall:.1f} s wall ({os.cpu_count()} CPUs)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -64,6 +128,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=48)
     ap.add_argument("--tier-mib", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--server", action="store_true", help="through the OpenAI server: recompute vs load")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -71,6 +136,9 @@ def main() -> None:
     def ids(n: int) -> list[int]:
         return torch.randint(3, 40000, (n,), generator=g).tolist()
 
+    if args.server:
+        server_sessions(args, ids)
+        return
     session = ids(args.prompt_len)
     prompts = {"session": session, "other": ids(args.prompt_len), "short": ids(32),
                "returning": session + ids(args.new_tokens)}
