@@ -4,7 +4,9 @@ Against `kernels.quant_reference` (the same quantized activations, summed in flo
 error is fp32 summation, so 1e-5 relative in norm (measured 1e-7). The reference against the exact product
 bounds what rounding activations to int8 per block costs (measured 0.5% in norm on Gaussian rows). The
 portable C path (a build without AVX512-VNNI) is held to the same reference, and so is every tail: N not a
-multiple of the 16-row tile, token counts past the 4-row tile, one block of K.
+multiple of the 16-row tile, row counts 1 .. 64 around the 8-row register block (each a different unrolled
+variant of the kernel), one block of K. A row's fp32 operations do not depend on its batch, so each row of a
+batch is bit-for-bit the row alone; plausible blocking bugs (modelled in float64) miss the 1e-5 bound.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from kernels.cpu.ggml_a8 import ggml_mul_mat_a8, pack_q4_1, pack_q8_0
 from kernels.quant_reference import ggml_a8_gemm, quantize_q8_1
 
 SHAPES = [(1, 16, 32), (3, 17, 64), (5, 40, 96), (9, 33, 576), (2, 576, 1536)]  # (M, N, K)
+# the register block is 8 rows: full blocks, a tail of 1 (33), fewer rows than a block (3), several blocks (64)
+ROWS = [1, 3, 8, 16, 33, 64]
 
 
 def _q4_1(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -61,11 +65,54 @@ def test_matches_the_reference_sums(m, n, k, dtype) -> None:
         assert _rel(got, want) < (2**-8 if dtype == torch.bfloat16 else 1e-5), (w.bits, m, n, k)
 
 
+@pytest.mark.parametrize("m", ROWS)
+def test_every_row_count_matches_the_reference(m) -> None:
+    """N = 40: two full 16-row tiles and a tail of 8; K = 96 (3 blocks) and SmolLM2's 576."""
+    for n, k in ((40, 96), (40, 576)):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)).bfloat16()
+        for w, q, dw, mw in _cases(m, n, k, seed=m):
+            assert _rel(ggml_mul_mat_a8(x, w), ggml_a8_gemm(x, q, dw, mw)) < 2**-8, (w.bits, m, n, k)
+            assert _rel(ggml_mul_mat_a8(x.float(), w), ggml_a8_gemm(x.float(), q, dw, mw)) < 1e-5, (w.bits, m, n, k)
+
+
+def test_a_row_is_the_same_alone_or_anywhere_in_a_batch() -> None:
+    """Bit for bit: rows of a 33-row call (register blocks of 8, then a tail of 1) against each row alone (the
+    1-row variant, whose integer dot runs in 4 chains): the fp32 operations are the same at every row count."""
+    x = torch.randn(33, 96, generator=torch.Generator().manual_seed(5))
+    for w, *_ in _cases(33, 40, 96, seed=6):
+        batch = ggml_mul_mat_a8(x, w)
+        for i in (0, 5, 7, 8, 31, 32):
+            assert torch.equal(batch[i:i + 1], ggml_mul_mat_a8(x[i:i + 1], w)), (w.bits, i)
+        assert torch.equal(batch[3:11], ggml_mul_mat_a8(x[3:11], w)), w.bits
+
+
+def test_planted_blocking_bugs_miss_the_bound() -> None:
+    """Outputs of plausible wrong kernels (the reference on altered inputs, float64) miss the 1e-5 bound the tests
+    hold the kernel to: each would fail them."""
+    m, n, k = 33, 40, 96
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(7))
+    q, d, mw = _q4_1(n, k, seed=8)
+    want = ggml_a8_gemm(x, q, d, mw)
+    high = q.reshape(n, -1, 2, 16)
+    planted = {
+        "row 32 (the tail after four 8-row blocks) reads row 0": ggml_a8_gemm(torch.cat([x[:32], x[:1]]), q, d, mw),
+        "the high nibbles read as the low ones": ggml_a8_gemm(x, high[:, :, :1].expand_as(high).reshape(n, k), d, mw),
+        "the block minimum's term dropped": ggml_a8_gemm(x, q, d, torch.zeros_like(mw)),
+        "each block scaled by the previous block's dw": ggml_a8_gemm(x, q, d.roll(1, dims=1), mw),
+        "the last 8-row tile's scales from the tile before": ggml_a8_gemm(x, q, torch.cat([d[:32], d[16:24]]), mw),
+        "a token's integer dot loses its last slice (k 28..31)":
+            ggml_a8_gemm(x, q.reshape(n, -1, 32).index_fill(2, torch.arange(28, 32), 0).reshape(n, k), d, mw),
+    }
+    for name, wrong in planted.items():
+        assert _rel(wrong, want) > 1e-5, name
+    assert _rel(ggml_mul_mat_a8(x, pack_q4_1(q, d, mw)), want) < 1e-5
+
+
 def test_the_portable_c_path_matches_too() -> None:
     """The same sums without vpdpbusd: a build with -mno-avx512vnni (the scalar loops other CPUs run)."""
     lib = ctypes.CDLL(str(build(("-mno-avx512vnni",))))
     declare(lib)
-    for m, n, k in SHAPES[:4]:
+    for m, n, k in [*SHAPES[:4], (33, 40, 96)]:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
         for w, q, dw, mw in _cases(m, n, k, seed=k):
             assert _rel(ggml_mul_mat_a8(x, w, lib=lib), ggml_a8_gemm(x, q, dw, mw)) < 1e-5, (w.bits, m, n, k)

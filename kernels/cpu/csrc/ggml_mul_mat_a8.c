@@ -13,7 +13,7 @@
  * slice v in the low nibbles and slice v + 4 in the high ones). So one AVX512-VNNI vpdpbusd against
  * 4 activation bytes broadcast adds 64 products into 16 lanes, one lane per output row: no horizontal
  * sums, and a block's dots scale by its 16 rows' dw (fp16 [tile][block][16], as the GGUF stores
- * them) in one FMA. A tile is read once per 4 activation rows; tiles go to OpenMP threads. */
+ * them) in one FMA. A tile is read and unpacked once per 8 activation rows; tiles go to OpenMP threads. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -27,7 +27,7 @@
 #define GGML_A8_VNNI 1
 #endif
 
-enum { QK = 32, TILE = 16, TOKENS = 4 };
+enum { QK = 32, TILE = 16, TOKENS = 8 };
 
 #ifdef GGML_A8_VNNI
 /* One activation row -> int8 blocks, each block's step d and step * sum s (32 values: two vectors). */
@@ -74,18 +74,24 @@ typedef struct {
 } Acts;
 
 #ifdef GGML_A8_VNNI
-/* A tile's 16 outputs for tokens t0 .. t0 + T - 1 (T a compile-time constant after inlining). */
+/* A tile's 16 outputs for tokens t0 .. t0 + T - 1; BITS and T are compile-time constants after inlining. The
+ * block's weights are loaded (and for 4 bits unpacked) once and reused by all T tokens, so at T = 8 a token's
+ * block costs 8 vpdpbusd + 4 vector ops (widen, two scales, the m-term) + 1.5 of the unpack's 12. A token's
+ * integer dot runs in CH chains (exact: int32 sums, any order): one when 6+ tokens give the core independent
+ * work, more for few tokens. Its fp32 ops are the same, in the same order, at every T: outputs do not depend
+ * on the row count or on where a row falls in a register block. */
 static inline __attribute__((always_inline)) void tile_vnni(const uint8_t *w, const uint16_t *dw, const uint16_t *mw,
-                                                            int bits, Acts a, int64_t t0, const int T,
+                                                            const int BITS, Acts a, int64_t t0, const int T,
                                                             float out[TOKENS][TILE]) {
-    const int64_t nb = a.k / QK, block_bytes = bits == 4 ? 256 : 512;
+    const int64_t nb = a.k / QK, block_bytes = BITS == 4 ? 256 : 512;
+    const int CH = T >= 6 ? 1 : T >= 3 ? 2 : 4;
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     __m512 acc[TOKENS];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = w + b * block_bytes;
         __m512i s[8]; /* slice v: k 4v .. 4v + 3 of the block, 16 rows */
-        if (bits == 4) {
+        if (BITS == 4) {
             for (int u = 0; u < 4; u++) {
                 const __m512i v = _mm512_loadu_si512(wb + 64 * u);
                 s[u] = _mm512_and_si512(v, nibble);
@@ -95,34 +101,47 @@ static inline __attribute__((always_inline)) void tile_vnni(const uint8_t *w, co
             for (int v = 0; v < 8; v++) s[v] = _mm512_loadu_si512(wb + 64 * v);
         }
         const __m512 d16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dw + b * TILE)));
-        const __m512 m16 = bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mw + b * TILE))) : d16;
+        const __m512 m16 = BITS == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mw + b * TILE))) : d16;
         for (int t = 0; t < T; t++) {
             const int64_t row = (t0 + t) * nb + b;
             int32_t x4[8]; /* the block's activations, 4 bytes a slice */
             memcpy(x4, a.xq + row * QK, sizeof x4);
-            __m512i p[4]; /* four independent chains of dpbusd */
-            for (int c = 0; c < 4; c++) p[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), s[c], _mm512_set1_epi32(x4[c]));
-            for (int c = 0; c < 4; c++) p[c] = _mm512_dpbusd_epi32(p[c], s[c + 4], _mm512_set1_epi32(x4[c + 4]));
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_add_epi32(p[0], p[1]), _mm512_add_epi32(p[2], p[3])));
+            __m512i p[4];
+            for (int c = 0; c < CH; c++) p[c] = _mm512_setzero_si512();
+            for (int v = 0; v < CH; v++) p[v] = _mm512_dpbusd_epi32(p[v], s[v], _mm512_set1_epi32(x4[v]));
+            for (int v = CH; v < 8; v++) p[v % CH] = _mm512_dpbusd_epi32(p[v % CH], s[v], _mm512_set1_epi32(x4[v]));
+            for (int c = 1; c < CH; c++) p[0] = _mm512_add_epi32(p[0], p[c]);
+            const __m512 dot = _mm512_cvtepi32_ps(p[0]);
             const __m512 dx = _mm512_set1_ps(a.dx[row]), sx = _mm512_set1_ps(a.sx[row]);
-            if (bits == 4) {
+            if (BITS == 4) {
                 acc[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d16, dx), acc[t]);
                 acc[t] = _mm512_fmadd_ps(m16, sx, acc[t]);
             } else { /* dw * (dx * dot - 128 sx) */
-                acc[t] = _mm512_fmadd_ps(_mm512_fmadd_ps(dot, dx, _mm512_mul_ps(sx, _mm512_set1_ps(-128.0f))), d16, acc[t]);
+                const __m512 m128 = _mm512_mul_ps(sx, _mm512_set1_ps(-128.0f));
+                acc[t] = _mm512_fmadd_ps(_mm512_fmadd_ps(dot, dx, m128), d16, acc[t]);
             }
         }
     }
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out[t], acc[t]);
 }
 
+#define GGML_A8_TILE_CASE(T)                                                                                     \
+    case T:                                                                                                      \
+        if (bits == 4) tile_vnni(w, dw, mw, 4, a, t0, T, out);                                                   \
+        else tile_vnni(w, dw, mw, 8, a, t0, T, out);                                                             \
+        break;
+
 static void compute_tile(const uint8_t *w, const uint16_t *dw, const uint16_t *mw, int bits, Acts a, int64_t t0,
                          int T, float out[TOKENS][TILE]) {
-    switch (T) { /* a constant token count, so the token loop unrolls */
-    case 4: tile_vnni(w, dw, mw, bits, a, t0, 4, out); break;
-    case 3: tile_vnni(w, dw, mw, bits, a, t0, 3, out); break;
-    case 2: tile_vnni(w, dw, mw, bits, a, t0, 2, out); break;
-    default: tile_vnni(w, dw, mw, bits, a, t0, 1, out);
+    switch (T) { /* a constant token count and width, so the loops unroll and the branches fold */
+    GGML_A8_TILE_CASE(8)
+    GGML_A8_TILE_CASE(7)
+    GGML_A8_TILE_CASE(6)
+    GGML_A8_TILE_CASE(5)
+    GGML_A8_TILE_CASE(4)
+    GGML_A8_TILE_CASE(3)
+    GGML_A8_TILE_CASE(2)
+    default: GGML_A8_TILE_CASE(1)
     }
 }
 #else
