@@ -2,20 +2,20 @@
 
 The fake model's next token chains on the KV of the previous position only, which eviction always keeps (the
 recent block): so every request must still end with its cache-free reference output, which checks the kept-blocks
-rows and `num_evicted_tokens` the runner gets. After every rule the state is whole (`check_invariants`), every
-running request holds at most its budget of computed blocks, and at the end every block is free (no block leaked;
-one freed twice raises in `free_blocks`). FUZZ_SCHEDULER_EXAMPLES sets the number of examples."""
+rows and `num_evicted_tokens` the runner gets. The step and abort rules, the invariant (the state is whole after
+every rule) and the teardown (every block free at the end: no block leaked; one freed twice raises in `free_blocks`)
+are `scheduler_machine.SchedulerMachine`'s; here every running request also holds at most its budget of computed
+blocks at each plan. FUZZ_SCHEDULER_EXAMPLES sets the number of examples."""
 import os
 
-from grader.harness import EOS, FakeRunner, check_invariants, make_request, make_scheduler, mix, reference_output, \
-    verify_greedy, VOCAB
+from grader.harness import FakeRunner, make_scheduler, mix, verify_greedy, VOCAB
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import initialize, rule
+from scheduler_machine import SchedulerMachine
 
 from engine_core.core.kv_cache_manager import NULL_BLOCK, cdiv
 from engine_core.outputs import ModelRunnerOutput
-from engine_core.request import RequestStatus
 
 
 class EvictingFakeRunner(FakeRunner):
@@ -43,7 +43,7 @@ class EvictingFakeRunner(FakeRunner):
         return ModelRunnerOutput(sampled, block_scores=scores)
 
 
-class EvictionMachine(RuleBasedStateMachine):
+class EvictionMachine(SchedulerMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_gpu_blocks=st.integers(8, 40), budget=st.integers(1, 24),
                 max_num_seqs=st.integers(1, 4), chunked=st.booleans(), policy=st.sampled_from(["streaming_llm", "h2o"]),
                 sinks=st.integers(0, 2), recent=st.integers(1, 3), extra=st.integers(0, 3))
@@ -55,58 +55,18 @@ class EvictionMachine(RuleBasedStateMachine):
                                     kv_budget_tokens=self.budget_blocks * block_size,
                                     kv_sink_tokens=sinks * block_size, kv_recent_tokens=recent * block_size)
         self.runner = EvictingFakeRunner(num_gpu_blocks, block_size)
-        self.all: dict = {}
-        self.aborted: set = set()
-        self.n = 0
 
     @rule(prompt=st.lists(st.integers(1, 9), min_size=1, max_size=40), max_tokens=st.integers(1, 40))
     def add(self, prompt, max_tokens):
-        rid = f"r{self.n}"
-        self.n += 1
-        req = make_request(rid, prompt, max_tokens, arrival=float(self.n), eos=EOS)
-        try:
-            self.sched.add_request(req)
-        except ValueError:
-            return
-        self.all[rid] = req
+        self.submit(prompt, max_tokens)
 
-    @rule()
-    def step(self):
-        out = self.sched.schedule()
+    def check_scheduled(self, out):
+        """Every running request is within its budget once evicted (the partial block counted)."""
         kvm = self.sched.kv_cache_manager
-        for request in self.sched.running:  # within budget once evicted (the partial block counted)
+        for request in self.sched.running:
             table = kvm.req_to_blocks.get(request.request_id, [])
             written = table[:cdiv(request.num_computed_tokens, self.sched.block_size)]
             assert sum(b is not NULL_BLOCK for b in written) <= self.budget_blocks, (request.request_id, written)
-        self.sched.update_from_output(out, self.runner.execute(out))
-
-    @precondition(lambda self: bool(self.sched.requests))
-    @rule(data=st.data())
-    def abort(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
-        self.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-        self.aborted.add(rid)
-
-    @invariant()
-    def state_is_consistent(self):
-        check_invariants(self.sched)
-
-    def teardown(self):
-        if not hasattr(self, "sched"):
-            return
-        for _ in range(5000):
-            if not self.sched.has_unfinished_requests():
-                break
-            self.step()
-        s = self.sched
-        assert not s.has_unfinished_requests(), f"stuck: running={s.running} waiting={list(s.waiting)}"
-        kvm = s.kv_cache_manager
-        assert kvm.block_pool.num_free_blocks == kvm.num_gpu_blocks
-        for rid, req in self.all.items():
-            if rid in self.aborted:
-                continue
-            expected = reference_output(req.prompt_token_ids, req.sampling_params.max_tokens, EOS, s.max_model_len)
-            assert req.output_token_ids == expected, f"{rid} after {req.num_preemptions} preemptions"
 
 
 TestEvictionInvariants = EvictionMachine.TestCase
