@@ -6,7 +6,8 @@ The attention ops keep `kernels.reference`'s contracts (and are tested against i
 fp32 and bf16 caches (bf16: widened to fp32 as read, fp32 softmax and accumulation, the output
 rounded once); any other case (fp8 or fp16 caches, mixed dtypes) runs the reference op, so every
 call here is valid. Prefill attention reads the blocks in place too, 8 query rows of a head per work item
-(csrc/paged_attention.c). The elementwise ops take fp32
+(csrc/paged_attention.c; bf16 on AVX512-BF16: bf16 dot products, P rounded to bf16 for P V as on a GPU,
+csrc/paged_attention_avx512bf16.h). The elementwise ops take fp32
 or bf16 (bf16 rounded at every step where the model's PyTorch formula rounds) and are tested against
 those formulas.
 

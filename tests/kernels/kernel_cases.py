@@ -61,7 +61,7 @@ def oracle_attention(query: torch.Tensor, kv: PagedKV, q_lens: list[int], scale:
 
 
 def assert_attention_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, seed: int,
-                           what: str, max_abs_v: float, fp8_score_abs: float = 0.0) -> None:
+                           what: str, max_abs_v: float, fp8_score_abs: float = 0.0, rounds_p: bool = False) -> None:
     """|actual - expected| <= atol + rtol * |expected|, where
 
     * rtol = the output dtype's unit roundoff: the final store rounds to nearest;
@@ -70,13 +70,14 @@ def assert_attention_close(actual: torch.Tensor, expected: torch.Tensor, dtype: 
       a 10x margin. On a GPU the fp16/bf16 path also rounds the probabilities to the input dtype
       before the P @ V tensor-core dot (2 * unit roundoff), and with an fp8 cache the dequantized
       K as well, which moves each logit by up to u * sum|q||k| (`fp8_score_abs`, times 2 for the
-      softmax's numerator and denominator).
+      softmax's numerator and denominator). `rounds_p`: a CPU kernel that rounds P the same way (the bf16
+      prefill tile on AVX512-BF16, kernels/cpu/csrc/paged_attention_avx512bf16.h).
     """
     assert not torch.isnan(actual).any(), (
         f"{what}: {int(torch.isnan(actual).sum())} outputs never written (still NaN-poisoned), first at "
         f"index {tuple(torch.nonzero(torch.isnan(actual))[0].tolist())}; seed {seed}")
     u = UNIT_ROUNDOFF[dtype]
-    tensor_core_path = actual.is_cuda and dtype != torch.float32
+    tensor_core_path = (actual.is_cuda or rounds_p) and dtype != torch.float32
     atol = max_abs_v * 1e-5
     if tensor_core_path:
         atol += max_abs_v * (2 * u + (torch.tensor(2 * u * fp8_score_abs).exp().item() - 1))

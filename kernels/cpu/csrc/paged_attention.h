@@ -1,5 +1,5 @@
 /* The body of paged_attention.c, once per element type: included with T (float or bf16_t), FN(name) (the
- * name with the type's suffix) and LOAD8 / STORE8 (8 values of T as fp32) set. */
+ * name with the type's suffix), LOAD8 / STORE8 (8 values of T as fp32) and KV_BF16 set. */
 
 /* One tile: query rows r0 .. r0 + rows - 1 (rows <= 8) of one sequence and one query head, at positions
  * pos0 .. pos0 + rows - 1, over tokens 0 .. pos0 + rows - 1 of its paged K/V (KV head kv_head). Lane r of
@@ -87,6 +87,19 @@ static int FN(tile)(T *out, int64_t out_stride, const T *q, int64_t q_stride, in
                     const T *key_cache, const T *value_cache, const int32_t *table, int64_t table_width,
                     int64_t kv_head, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
                     float scale) {
+#if KV_BF16 && defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define TILE_DP(NV)                                                                                            \
+    attend_tile_bf16_dp(out, out_stride, q, q_stride, rows, pos0, key_cache, value_cache, table, table_width,    \
+                        kv_head, num_kv_heads, NV, block_size, num_blocks, scale)
+    switch (head_dim) { /* paged_attention_avx512bf16.h */
+        case 32: return TILE_DP(4);
+        case 64: return TILE_DP(8);
+        case 128: return TILE_DP(16);
+        default:
+            if (head_dim % 16 == 0) return TILE_DP(head_dim / 8);
+    }
+#undef TILE_DP
+#endif
     switch (head_dim) {
         case 32: return TILE(4);
         case 64: return TILE(8);
