@@ -27,7 +27,9 @@
 #define GGML_A8_VNNI 1
 #endif
 
-enum { QK = 32, TILE = 16, TOKENS = 8 };
+/* PREFETCH: blocks ahead, 4 KiB of 4-bit weights; cold, 1 thread, 3072x576 at 32 rows: 365 us none, 325 at 4
+ * blocks, 297 at 8, 286 at 16, 290 at 32 (batch 1: 120, 93, 78, 76, 73) */
+enum { QK = 32, TILE = 16, TOKENS = 8, PREFETCH = 16 };
 
 #ifdef GGML_A8_VNNI
 /* One activation row -> int8 blocks, each block's step d and step * sum s (32 values: two vectors). */
@@ -90,6 +92,12 @@ static inline __attribute__((always_inline)) void tile_vnni(const uint8_t *w, co
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = w + b * block_bytes;
+        /* the weights stream from DRAM (a model is larger than the L3): fetch PREFETCH blocks ahead, into the
+         * next tile past the last block (a prefetch never faults) */
+        const char *ahead = (const char *)(wb + PREFETCH * block_bytes);
+        for (int l = 0; l < block_bytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+        _mm_prefetch((const char *)(dw + (b + PREFETCH) * TILE), _MM_HINT_T0);
+        if (BITS == 4) _mm_prefetch((const char *)(mw + (b + PREFETCH) * TILE), _MM_HINT_T0);
         __m512i s[8]; /* slice v: k 4v .. 4v + 3 of the block, 16 rows */
         if (BITS == 4) {
             for (int u = 0; u < 4; u++) {
