@@ -116,6 +116,8 @@ def test_the_portable_c_path_matches_too() -> None:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
         for w, q, dw, mw in _cases(m, n, k, seed=k):
             assert _rel(ggml_mul_mat_a8(x, w, lib=lib), ggml_a8_gemm(x, q, dw, mw)) < 1e-5, (w.bits, m, n, k)
+            xb = x.bfloat16()  # bf16 rows widened inside the quantization, bf16 out
+            assert _rel(ggml_mul_mat_a8(xb, w, lib=lib), ggml_a8_gemm(xb, q, dw, mw)) < 2**-8, (w.bits, m, n, k)
 
 
 def test_activation_rounding_is_what_int8_blocks_cost() -> None:

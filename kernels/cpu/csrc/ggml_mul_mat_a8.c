@@ -32,10 +32,18 @@
 enum { QK = 32, TILE = 16, TOKENS = 8, PREFETCH = 16 };
 
 #ifdef GGML_A8_VNNI
-/* One activation row -> int8 blocks, each block's step d and step * sum s (32 values: two vectors). */
-static void quantize_row_q8_1(const float *x, int64_t k, int8_t *q, float *d, float *s) {
+/* 16 activations from fp32 or bf16 (widened: exact) */
+static inline __m512 load16(const void *x, int64_t i, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)x + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const bf16_t *)x + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* One activation row (fp32, or bf16 when bf16 != 0) -> int8 blocks, each block's step d and step * sum s (32
+ * values: two vectors). */
+static void quantize_row_q8_1(const void *x, int bf16, int64_t k, int8_t *q, float *d, float *s) {
     for (int64_t b = 0; b < k / QK; b++) {
-        const __m512 lo = _mm512_loadu_ps(x + b * QK), hi = _mm512_loadu_ps(x + b * QK + 16);
+        const __m512 lo = load16(x, b * QK, bf16), hi = load16(x, b * QK + 16, bf16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         const float db = amax / 127.0f, inv = db != 0.0f ? 1.0f / db : 0.0f;
         /* the default rounding mode: to nearest, ties to even, as torch.round */
@@ -48,10 +56,12 @@ static void quantize_row_q8_1(const float *x, int64_t k, int8_t *q, float *d, fl
     }
 }
 #else
-/* One activation row -> int8 blocks, each block's step d and step * sum s. */
-static void quantize_row_q8_1(const float *x, int64_t k, int8_t *q, float *d, float *s) {
+/* One activation row (fp32, or bf16 when bf16 != 0) -> int8 blocks, each block's step d and step * sum s. */
+static void quantize_row_q8_1(const void *x, int bf16, int64_t k, int8_t *q, float *d, float *s) {
     for (int64_t b = 0; b < k / QK; b++) {
-        const float *xb = x + b * QK;
+        float xb[QK];
+        for (int i = 0; i < QK; i++)
+            xb[i] = bf16 ? bf16_to_f32(((const bf16_t *)x)[b * QK + i]) : ((const float *)x)[b * QK + i];
         int8_t *qb = q + b * QK;
         float amax = 0.0f;
         for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
@@ -202,26 +212,16 @@ int ggml_mul_mat_a8(const ggml_mul_mat_a8_args *args) {
     const int64_t m = args->m, n = args->n, k = args->k, x_stride = args->x_stride, bits = args->bits;
     const int64_t bf16 = args->bf16;
     const int64_t nb = k / QK, tiles = (n + TILE - 1) / TILE, tile_bytes = nb * (bits == 4 ? 256 : 512);
-    /* bf16 rows are widened to fp32 first; fp32 rows are quantized where they are */
-    float *rows = bf16 ? malloc(sizeof(float) * (size_t)(m * k)) : NULL, *dx = malloc(sizeof(float) * (size_t)(m * nb)),
-          *sx = malloc(sizeof(float) * (size_t)(m * nb));
+    float *dx = malloc(sizeof(float) * (size_t)(m * nb)), *sx = malloc(sizeof(float) * (size_t)(m * nb));
     int8_t *xq = malloc((size_t)(m * k));
-    if ((bf16 && !rows) || !dx || !sx || !xq) {
-        free(rows), free(dx), free(sx), free(xq);
+    if (!dx || !sx || !xq) {
+        free(dx), free(sx), free(xq);
         return KERNELS_CPU_NO_MEMORY;
     }
+    const size_t row_bytes = (size_t)x_stride * (bf16 ? sizeof(bf16_t) : sizeof(float));
 #pragma omp parallel for schedule(static) if (m >= GGML_A8_QUANTIZE_PARALLEL_MIN)
-    for (int64_t t = 0; t < m; t++) {
-        const float *xt;
-        if (bf16) {
-            const bf16_t *src = (const bf16_t *)x + t * x_stride;
-            for (int64_t j = 0; j < k; j++) rows[t * k + j] = bf16_to_f32(src[j]);
-            xt = rows + t * k;
-        } else {
-            xt = (const float *)x + t * x_stride;
-        }
-        quantize_row_q8_1(xt, k, xq + t * k, dx + t * nb, sx + t * nb);
-    }
+    for (int64_t t = 0; t < m; t++)
+        quantize_row_q8_1((const char *)x + t * row_bytes, (int)bf16, k, xq + t * k, dx + t * nb, sx + t * nb);
     const Acts a = {xq, dx, sx, k};
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < tiles; i++) {
@@ -230,14 +230,20 @@ int ggml_mul_mat_a8(const ggml_mul_mat_a8_args *args) {
             const int T = (int)(m - t0 < TOKENS ? m - t0 : TOKENS);
             float y[TOKENS][TILE];
             compute_tile(w + i * tile_bytes, dw + i * nb * TILE, mw + i * nb * TILE, (int)bits, a, t0, T, y);
-            for (int t = 0; t < T; t++)
-                for (int64_t l = 0; l < rows_here; l++) {
-                    const int64_t o = (t0 + t) * n + r0 + l;
-                    if (bf16) ((bf16_t *)out)[o] = f32_to_bf16(y[t][l]);
-                    else ((float *)out)[o] = y[t][l];
+            for (int t = 0; t < T; t++) {
+                const int64_t o = (t0 + t) * n + r0;
+                if (rows_here == TILE && bf16) { /* a full tile: two 8-wide roundings, as f32_to_bf16 */
+                    v8 lo, hi;
+                    memcpy(&lo, y[t], sizeof lo), memcpy(&hi, y[t] + 8, sizeof hi);
+                    bf16_store8((bf16_t *)out + o, lo), bf16_store8((bf16_t *)out + o + 8, hi);
+                } else if (bf16) {
+                    for (int64_t l = 0; l < rows_here; l++) ((bf16_t *)out)[o + l] = f32_to_bf16(y[t][l]);
+                } else {
+                    memcpy((float *)out + o, y[t], sizeof(float) * (size_t)rows_here);
                 }
+            }
         }
     }
-    free(rows), free(dx), free(sx), free(xq);
+    free(dx), free(sx), free(xq);
     return 0;
 }
