@@ -3,8 +3,10 @@
 A `GgmlA8Weight` holds a Q4_1 or Q8_0 matrix in the kernel's layout; `ggml_mul_mat_a8(x, w)` quantizes x's
 rows per 32 values to int8 (ggml's Q8_1) and sums integer dots per block, scaled once (contract:
 `kernels.quant_reference.ggml_a8_gemm`). On AVX512-VNNI CPUs a dot is vpdpbusd over 16 output rows at once
-(64 byte products an instruction), where torch's int4 kernel widens each weight to float; other CPUs get
-the same sums in plain C. Rounding the activations to int8 per block (an output error of about 0.5% of its
+(64 byte products an instruction), where torch's int4 kernel widens each weight to float; a block of weights is
+unpacked once per 8 activation rows (the register block) and prefetched ahead; other CPUs get the same sums in
+plain C. Every row count takes this kernel: dequantizing to bf16 for oneDNN above some row count never won where
+it was measured (AVX512-VNNI without AMX; docs/benchmarks.md, issue 46). Rounding the activations to int8 per block (an output error of about 0.5% of its
 norm on random data, measured in the tests) is what llama.cpp does for these formats.
 """
 from __future__ import annotations
