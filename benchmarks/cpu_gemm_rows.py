@@ -1,6 +1,7 @@
 """Where a quantized CPU GEMM should hand over to the bf16 GEMM (`python -m benchmarks.cpu_gemm_rows [--rows
 1,2,4,...] [--threads 1] [--repeats 40]`): on SmolLM2-135M's projection shapes, per row count M, the bf16 weight's
-own GEMM (F.linear: oneDNN) beside each format's two paths: fp8 weight-only (the C kernel `fp8_w8a16_gemm` vs
+own GEMM (F.linear: oneDNN) beside each format's paths: fp8 weight-only (the packed AVX512-BF16 kernel
+`fp8_w8a16_packed_gemm` the engine runs for bf16 where the CPU has it, the row-major fp32 C kernel `fp8_w8a16_gemm`,
 the weight dequantized to bf16 then F.linear) and GGUF Q4_1 (llama.cpp's int8 arithmetic `ggml_mul_mat_a8` vs
 dequantized to bf16 then F.linear). The smallest time of `--repeats` calls each, the paths in turn (a loaded
 machine inflates medians, the minimum is what the code costs); the rows at which engine_core/models/quantization's
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.measure import busy_seconds, cpu_line
-from kernels.cpu.fp8_gemm import fp8_dequantize, fp8_w8a16_gemm
+from kernels.cpu.fp8_gemm import fp8_dequantize, fp8_pack, fp8_packed_native, fp8_w8a16_gemm, fp8_w8a16_packed_gemm
 from kernels.cpu.ggml_a8 import ggml_mul_mat_a8, pack_q4_1
 
 SHAPES = ((3072, 576), (576, 1536))  # SmolLM2: gate|up [2 x 1536, 576], down [576, 1536]
@@ -38,11 +39,14 @@ def paths(n: int, k: int, m: int) -> dict[str, Callable[[], object]]:
     wb, x = w.bfloat16(), torch.randn(m, k, generator=g).bfloat16()
     scale = torch.full((n,), float(w.abs().max()) / 448)
     q8 = (w / scale[:, None]).to(torch.float8_e4m3fn)
+    fp8_packed = fp8_pack(q8)
     q4 = torch.randint(0, 16, (n, k), generator=g)
     d, mn = (torch.rand(n, k // 32, generator=g) * 0.01).half(), (-torch.rand(n, k // 32, generator=g) * 0.08).half()
     packed = pack_q4_1(q4, d, mn)
     q4_w = (q4.float() * d.float().repeat_interleave(32, 1) + mn.float().repeat_interleave(32, 1))
     return {"bf16": lambda: F.linear(x, wb),
+            **({"fp8 packed": lambda: fp8_w8a16_packed_gemm(x, fp8_packed, scale, check=False)}
+               if fp8_packed_native() else {}),  # AVX512-BF16 only
             "fp8 kernel": lambda: fp8_w8a16_gemm(x, q8, scale, check=False),
             "fp8 deq+bf16": lambda: F.linear(x, fp8_dequantize(q8, scale, torch.bfloat16)),
             "q4_1 kernel": lambda: ggml_mul_mat_a8(x, packed),
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     print(cpu_line())
     print(f"{args.threads} threads, fastest of {args.repeats} (us); other processes' CPU time {other:.1f} s over "
           f"{wall:.1f} s")
-    print("| weight | M | " + " | ".join(paths(8, 32, 1)) + " |\n|---|---|" + "---|" * 5)
+    print("| weight | M | " + " | ".join(paths(8, 32, 1)) + " |\n|---|---|" + "---|" * len(paths(8, 32, 1)))
     print("\n".join(lines))
 
 

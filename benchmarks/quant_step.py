@@ -3,7 +3,8 @@
 
 One engine per scheme, all loaded at once: fp32 and bf16 (dense), W8A8 int8, W4A16 (the real model's Q4_1 blocks
 in llama.cpp's arithmetic, `gguf`, and round-to-nearest group 32, `rtn`) and fp8 (per-tensor e4m3 weights,
-weight-only on CPU: `kernels.cpu.fp8_gemm` up to 8 rows, the weight dequantized to bf16 above). The quantized
+weight-only on CPU: with AVX512-BF16 the packed kernel `fp8_w8a16_packed_gemm` at every batch, else
+`fp8_w8a16_gemm` up to 8 rows and the weight dequantized to bf16 above). The quantized
 schemes run with the bf16 model (embedding, LM head, norms, attention and activations in bf16), so bf16 is their
 baseline. For each batch M every engine gets M requests of
 8 prompt tokens, prefills them (not timed), then the engines take one decode step each in turn, `--steps` times

@@ -20,6 +20,9 @@ __all__ = ["PACK_BLOCK", "fp8_dequantize", "fp8_pack", "fp8_packed_native", "fp8
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the activation dtypes, as the C call's `bf16` flag
 PACK_BLOCK = 32  # output rows of a packed block (csrc/fp8_gemm_packed.c's BLOCK)
+# where each of a k pair's 64 codes (row r's two at 2r, 2r + 1) is stored: csrc/fp8_gemm_packed.c's `slot`, the
+# order in which its byte interleave (within 128-bit lanes) yields rows 0-15, then 16-31
+_SLOT = torch.tensor([16 * (i // 8) + i % 8 if i < 32 else 16 * ((i - 32) // 8) + 8 + i % 8 for i in range(64)])
 
 
 def fp8_w8a16_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -64,22 +67,27 @@ def fp8_packed_native(lib: ctypes.CDLL | None = None) -> bool:
 
 
 def fp8_pack(q: torch.Tensor) -> torch.Tensor:
-    """float8_e4m3fn `[n, k]` -> the same codes as `[ceil(n / 32), ceil(k / 2), 32, 2]` (zero codes padding n and
-    k): for each block of 32 output rows and each pair of k, the 32 rows' two codes side by side, the layout
-    vdpbf16ps multiplies with a pair of x (csrc/fp8_gemm_packed.c). One byte a weight, as before."""
+    """float8_e4m3fn `[n, k]` -> the same codes as `[ceil(n / 32), ceil(k / 2), 64]` (zero codes padding n and k):
+    for each block of 32 output rows and each pair of k, the 32 rows' two codes side by side (in `_SLOT`'s order),
+    the layout vdpbf16ps multiplies with a pair of x (csrc/fp8_gemm_packed.c). One byte a weight, as before."""
     if q.dtype != torch.float8_e4m3fn or q.dim() != 2:
         raise ValueError(f"fp8_pack: q must be float8_e4m3fn [n, k], got {q.dtype} {tuple(q.shape)}")
     n, k = q.shape
     nb, pairs = -(-n // PACK_BLOCK), -(-k // 2)
     padded = torch.zeros(nb * PACK_BLOCK, pairs * 2, dtype=torch.uint8, device=q.device)
     padded[:n, :k] = q.view(torch.uint8)
-    return padded.reshape(nb, PACK_BLOCK, pairs, 2).permute(0, 2, 1, 3).contiguous().view(torch.float8_e4m3fn)
+    logical = padded.reshape(nb, PACK_BLOCK, pairs, 2).permute(0, 2, 1, 3).reshape(nb, pairs, 2 * PACK_BLOCK)
+    packed = torch.empty_like(logical)
+    packed[..., _SLOT] = logical
+    return packed.view(torch.float8_e4m3fn)
 
 
 def fp8_unpack(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """`fp8_pack`'s inverse: the `[n, k]` codes (a new tensor)."""
     nb, pairs = packed.shape[:2]
-    return packed.permute(0, 2, 1, 3).reshape(nb * PACK_BLOCK, pairs * 2)[:n, :k].contiguous()
+    logical = packed.view(torch.uint8)[..., _SLOT].reshape(nb, pairs, PACK_BLOCK, 2)
+    rows = logical.permute(0, 2, 1, 3).reshape(nb * PACK_BLOCK, pairs * 2)
+    return rows[:n, :k].contiguous().view(torch.float8_e4m3fn)
 
 
 def fp8_w8a16_packed_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -102,9 +110,7 @@ def fp8_w8a16_packed_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
                                None if residual is None else residual.data_ptr(), packed.data_ptr(),
                                scale.data_ptr(), m, n, k, x.stride(0), 0 if residual is None else residual.stride(0),
                                1)
-            status = lib.fp8_gemm_w8a16_packed(ctypes.byref(args))
-        if status:  # KERNELS_CPU_NO_MEMORY, its only failure
-            raise MemoryError(f"fp8_w8a16_packed_gemm: no memory for a decoded block ({k} x {PACK_BLOCK} bf16)")
+            lib.fp8_gemm_w8a16_packed(ctypes.byref(args))  # KERNELS_CPU_OK: it allocates nothing
     return out
 
 
@@ -129,7 +135,7 @@ def _packed_problem(x: torch.Tensor, packed: torch.Tensor, n: int) -> str | None
     if x.dtype != torch.bfloat16:
         return f"x must be bf16 (fp32 x runs fp8_w8a16_gemm: no silent rounding to bf16), got {x.dtype}"
     k = x.shape[-1]
-    want = (-(-n // PACK_BLOCK), -(-k // 2), PACK_BLOCK, 2)
+    want = (-(-n // PACK_BLOCK), -(-k // 2), 2 * PACK_BLOCK)
     if packed.dtype != torch.float8_e4m3fn or tuple(packed.shape) != want or not packed.is_contiguous():
         return (f"packed must be fp8_pack's float8_e4m3fn {list(want)} (n = len(scale) = {n}, k = {k}), contiguous, "
                 f"got {packed.dtype} {tuple(packed.shape)}")

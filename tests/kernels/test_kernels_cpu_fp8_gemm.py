@@ -11,12 +11,13 @@ builds without AVX-512 (the portable decode) meet the same bound.
 
 The packed kernel (`fp8_w8a16_packed_gemm`, bf16 x on vdpbf16ps against `fp8_pack`'s layout): every finite code
 decodes to its exact value (x the identity, scale 1: the output is the code's value, which bf16 holds), through
-both of its ways (the decode in registers up to 8 rows, the decoded buffer above). Its bound is the one above:
-each e4m3 x bf16 product is exact in fp32 (8 x 8 significant bits), each lane adds its k products one at a time
-in fp32 (k u sum |x w|), then acc * scale + bias in one fused multiply-add and one rounding to bf16. Planted
-bugs of its own (a subnormal table off by one entry, the sign dropped, an odd k's last pair or the n tail's
-rows in a half block dropped, the scale of the wrong block) miss that bound. NaN codes (0x7f, 0xff) are not decoded
-specially: the layers' weights come from saturating quantization and hold none (the tests' weights neither).
+its row groups of 8 and their remainders, and the two NaN codes to NaN. Its bound is the one above: each e4m3 x
+bf16 product is exact in fp32 (8 x 8 significant bits), each lane adds its k products one at a time in fp32
+(k u sum |x w|), then acc * scale + bias in one fused multiply-add and one rounding to bf16. Planted
+bugs of its own (subnormals off by a factor 2, the sign dropped, an odd k's last pair or the n tail's rows in a
+half block dropped, the scale of the wrong block) miss that bound, and the same bugs planted in its C source (and
+the two halves of a k pair swapped) fail these tests. NaN codes never occur in the layers' weights (saturating
+quantization) nor in the tests' random ones.
 """
 from __future__ import annotations
 
@@ -170,8 +171,8 @@ def test_bad_inputs_are_refused_with_the_parameter_named() -> None:
     assert fp8_w8a16_applies(x, q) and not fp8_w8a16_applies(x.half(), q) and not fp8_w8a16_applies(x, q.float())
 
 
-# (m, n, k) for the packed kernel: rows in its register way (<= 8) and its buffered way (> 8) with the 8-row
-# groups' remainders, n across its 16-lane halves and 32-row blocks, k odd and even
+# (m, n, k) for the packed kernel: rows across its groups of 8 and their remainders, n across its 16-lane halves
+# and 32-row blocks, k odd and even
 PACKED_SHAPES = [(1, 1, 1), (1, 7, 5), (2, 13, 31), (3, 33, 32), (8, 17, 100), (9, 48, 129), (13, 24, 70),
                  (17, 65, 33), (1, 300, 576), (32, 64, 200)]
 FINITE = CODES[(CODES & 0x7F) != 0x7F]
@@ -182,25 +183,31 @@ def _packed_libs() -> list[ctypes.CDLL | None]:
 
 
 @pytest.mark.parametrize("lib", _packed_libs(), ids=["native", "portable"])
-def test_packed_every_finite_code_decodes_exactly_in_both_ways(lib) -> None:
+def test_packed_every_finite_code_decodes_exactly(lib) -> None:
     """x the identity: row r of the output is code r's value (q [3, 254]: three blocks' lanes read the codes)."""
     q = torch.stack([FINITE, FINITE.flip(0), FINITE.roll(7)]).view(FP8)
     want = (q.float().T + 0.0).bfloat16()  # exact: e4m3 values are bf16 values (-0 sums to +0 from a +0 start)
     eye = torch.eye(len(FINITE)).bfloat16()
     packed = fp8_pack(q)
     assert torch.equal(fp8_w8a16_packed_gemm(eye, packed, torch.ones(3), lib=lib).view(torch.int16),
-                       want.view(torch.int16))  # 254 rows: the decoded buffer
-    for r0 in range(0, len(FINITE), 8):  # 8 rows: the decode in registers
+                       want.view(torch.int16))  # 254 rows: 31 groups of 8 and one of 6
+    for r0 in range(0, len(FINITE), 8):  # one group at a time
         got = fp8_w8a16_packed_gemm(eye[r0:r0 + 8], packed, torch.ones(3), lib=lib)
         assert torch.equal(got.view(torch.int16), want[r0:r0 + 8].view(torch.int16)), r0
+    nan = torch.tensor([[0x7F, 0x38], [0x38, 0xFF]], dtype=torch.uint8).view(FP8)  # NaN codes beside 1.0
+    got = fp8_w8a16_packed_gemm(torch.ones(1, 2).bfloat16(), fp8_pack(nan), torch.ones(2), lib=lib)
+    assert bool(got.isnan().all())
 
 
 def test_pack_is_a_permutation_of_the_codes() -> None:
     q = _weight(37, 45, torch.Generator().manual_seed(2))
     packed = fp8_pack(q)
-    assert packed.shape == (2, 23, 32, 2) and packed.dtype == FP8
+    assert packed.shape == (2, 23, 64) and packed.dtype == FP8
     j, i = torch.meshgrid(torch.arange(37), torch.arange(45), indexing="ij")
-    assert torch.equal(packed.view(torch.uint8)[j // 32, i // 2, j % 32, i % 2], q.view(torch.uint8))
+    logical = 2 * (j % 32) + i % 2  # row j's code for k = i, in the byte order of the C kernel's `slot`
+    where = torch.where(logical < 32, 16 * (logical // 8) + logical % 8, 16 * ((logical - 32) // 8) + 8 + logical % 8)
+    assert sorted(where[:32, :2].flatten().tolist()) == list(range(64))
+    assert torch.equal(packed.view(torch.uint8)[j // 32, i // 2, where], q.view(torch.uint8))
     assert int(packed.view(torch.uint8).sum()) == int(q.view(torch.uint8).sum())  # the padding holds zero codes
     assert torch.equal(fp8_unpack(packed, 37, 45).view(torch.uint8), q.view(torch.uint8))
 
@@ -225,9 +232,8 @@ def test_packed_planted_bugs_miss_the_bound() -> None:
     codes = q.view(torch.uint8).long()
     sub = ((codes & 0x7F) < 8) & ((codes & 0x7F) > 0)
     assert int(sub.sum()) > 0
-    shifted = torch.where(sub, q.double() * ((codes & 7) + 1) / (codes & 7).clamp(min=1), q.double())
     planted = {
-        "subnormal table one entry off": x.double() @ (shifted * scale.double()[:, None]).T,
+        "subnormals off by a factor 2": x.double() @ torch.where(sub, 2 * w, w).T,
         "sign dropped": x.double() @ w.abs().T,
         "odd k's last pair dropped": x.double()[:, :130] @ w[:, :130].T,
         "the n tail (8 rows in a half block) dropped": x.double() @ torch.cat([w[:48], 0 * w[48:]]).T,
@@ -239,9 +245,10 @@ def test_packed_planted_bugs_miss_the_bound() -> None:
 
 
 # bugs planted in the C source of the AVX512-BF16 path: (what, the line's text, its planted form)
-PLANTED_C = [("subnormal table one entry off", "0x3B00, 0x3B80", "0x3B80, 0x3B80"),
-             ("sign dropped", "return _mm512_ternarylogic_epi32(",
-              "return mag;\n    return _mm512_ternarylogic_epi32("),
+PLANTED_C = [("subnormals off by a factor 2", "(float)mant / 512.0f", "(float)mant / 256.0f"),
+             ("sign dropped", "_mm512_set1_epi8((char)0x80), 0xF8)", "_mm512_set1_epi8(0), 0xF8)"),
+             ("the halves of a k pair swapped", "*w0 = _mm512_unpacklo_epi8(lo, hi);",
+              "*w0 = _mm512_unpackhi_epi8(lo, hi);"),
              ("odd k's last pair dropped", "if (k & 1) pair_step", "if (0) pair_step"),
              ("n tail in a second half dropped", "if (c >= n) break;", "if (c >= n || (h && n - c < 16)) break;"),
              ("one scale for both halves", "(mask, a->scale + c)", "(mask, a->scale + n0)")]
@@ -263,7 +270,7 @@ def test_packed_planted_bugs_in_the_c_source_fail_these_tests(tmp_path) -> None:
         lib = ctypes.CDLL(str(out))
         lib.fp8_gemm_w8a16_packed.argtypes, lib.fp8_gemm_w8a16_packed.restype = SIGNATURES["fp8_gemm_w8a16_packed"]
         caught = 0
-        for check in (test_packed_every_finite_code_decodes_exactly_in_both_ways,
+        for check in (test_packed_every_finite_code_decodes_exactly,
                       test_packed_matches_the_float64_product):
             try:
                 check(lib)

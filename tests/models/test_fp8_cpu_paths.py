@@ -48,7 +48,7 @@ def test_every_path_matches_the_float64_weight_only_product(monkeypatch, dtype, 
         monkeypatch.setattr(fp8, "fp8_packed_native", lambda: False)
     packed = dtype == torch.bfloat16 and packing and fp8_packed_native()
     layer = _layer(dtype)
-    assert layer.weight_fp8.dtype == torch.float8_e4m3fn and layer.weight_fp8.dim() == (4 if packed else 2)
+    assert layer.weight_fp8.dtype == torch.float8_e4m3fn and layer.weight_fp8.dim() == (3 if packed else 2)
     assert layer.weight_bytes() == (2 * 32 * 96 if packed else 40 * 96) + 40 * 4  # a byte a weight (packed: n to 64)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(dtype)
     res = torch.randn(rows, 40).to(dtype)

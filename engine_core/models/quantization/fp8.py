@@ -134,7 +134,7 @@ def fp8_mm_reference(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
 
 
 class Fp8LinearMethod(LinearMethodBase):
-    """The layer holds `weight_fp8` (float8_e4m3fn `[N, K]`, or `fp8_pack`'s 4-D layout of it for the bf16 path on
+    """The layer holds `weight_fp8` (float8_e4m3fn `[N, K]`, or `fp8_pack`'s 3-D layout of it for the bf16 path on
     AVX512-BF16) and `weight_scale` (fp32 `[N]`); the dense weight is freed. `logical_widths`: the rows of each
     fused module (q|k|v, gate|up; one entry otherwise); `use_kernel=False` keeps the reference path (tests compare
     the two)."""
@@ -173,7 +173,7 @@ class Fp8LinearMethod(LinearMethodBase):
     def _row_major(layer: nn.Module) -> torch.Tensor:
         """The fp8 codes `[N, K]` (unpacked into a new tensor when the layer holds the packed layout)."""
         q = layer.weight_fp8
-        return fp8_unpack(q, layer.output_size, layer.input_size) if q.dim() == 4 else q
+        return fp8_unpack(q, layer.output_size, layer.input_size) if q.dim() == 3 else q
 
     @classmethod
     def _apply_weight_only(cls, layer: nn.Module, rows: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -182,7 +182,7 @@ class Fp8LinearMethod(LinearMethodBase):
         bias = layer.bias
         fits = rows.is_cpu and rows.stride(-1) == 1 and (bias is None or bias.dtype == rows.dtype) and (
             residual is None or (residual.dtype == rows.dtype and residual.stride(-1) == 1))
-        if layer.weight_fp8.dim() == 4 and fits and rows.dtype == torch.bfloat16:
+        if layer.weight_fp8.dim() == 3 and fits and rows.dtype == torch.bfloat16:
             return fp8_w8a16_packed_gemm(rows, layer.weight_fp8, layer.weight_scale, bias, residual, check=False)
         q = cls._row_major(layer)
         if fits and fp8_w8a16_applies(rows, q):

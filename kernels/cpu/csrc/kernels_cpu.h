@@ -118,7 +118,7 @@ void skinny_gemm_f32(const skinny_gemm_args *a);
 void skinny_gemm_bf16(const skinny_gemm_args *a);
 int ggml_mul_mat_a8(const ggml_mul_mat_a8_args *a);
 int fp8_gemm_w8a16(const fp8_gemm_args *a);
-/* the same product, bf16 x only, w packed by fp8_gemm.py's fp8_pack ([ceil(n/32)][ceil(k/2)][32][2] codes) */
+/* the same product, bf16 x only, w packed by fp8_gemm.py's fp8_pack ([ceil(n/32)][ceil(k/2)][64] codes) */
 int fp8_gemm_w8a16_packed(const fp8_gemm_args *a);
 /* 1 where this build computes fp8_gemm_w8a16_packed for x of this dtype on AVX512-BF16 dot products */
 int fp8_packed_native(int64_t bf16);
