@@ -37,7 +37,7 @@ def _check(seed: int, head_dim: int, group: int, block_size: int, rounds_p: bool
                            f"seq_lens={lens} q_lens={q_lens}", max_abs_value(kv), rounds_p=rounds_p)
 
 
-CASES = [(64, 2, 16), (64, 1, 5), (128, 2, 16), (32, 4, 8), (48, 2, 16), (24, 2, 16)]  # 48: generic, 24: 8-wide
+CASES = [(64, 2, 16), (64, 1, 5), (128, 2, 16), (32, 4, 8), (48, 2, 16), (16, 2, 8), (24, 2, 16)]  # 48, 16: generic; 24: 8-wide
 
 
 @pytest.mark.skipif(not NATIVE, reason="the tile runs on AVX512-BF16 only")
