@@ -6,6 +6,7 @@ import torch
 
 from benchmarks import cpu_gemm_rows
 from benchmarks.measure import cpu_line
+from kernels.cpu.fp8_gemm import fp8_packed_native
 
 CPUINFO = "processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu avx512f avx512_vnni amx_bf16 amx_tile\n"
 
@@ -25,6 +26,7 @@ def test_cpu_gemm_rows_prints_every_path(capsys) -> None:
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert out.startswith("CPU: ")
-    assert "| weight | M | bf16 | fp8 kernel | fp8 deq+bf16 | q4_1 kernel | q4_1 deq+bf16 |" in out
+    packed = "fp8 packed | " if fp8_packed_native() else ""  # the AVX512-BF16 kernel's column where it runs
+    assert f"| weight | M | bf16 | {packed}fp8 kernel | fp8 deq+bf16 | q4_1 kernel | q4_1 deq+bf16 |" in out
     rows = [ln for ln in out.splitlines() if ln.startswith(("| 3072x576 | 2 |", "| 576x1536 | 2 |"))]
-    assert len(rows) == 2 and all(len(r.split("|")) == 9 for r in rows)
+    assert len(rows) == 2 and all(len(r.split("|")) == 9 + bool(packed) for r in rows)
