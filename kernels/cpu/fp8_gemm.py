@@ -5,6 +5,11 @@ call on SmolLM2, issue 46). This kernel keeps the weight at one byte a value (ha
 16 codes at a time to fp32 inside the product (exact: e4m3 has 3 mantissa bits), x in fp32 or bf16 unquantized.
 Contract: `F.linear(x.double(), q.double() * scale[:, None], bias)` within fp32 summation (K u of sum |x w|),
 the output in x's dtype (bf16: rounded once after the bias), then the residual added as `skinny_gemm` does.
+
+For bf16 x on AVX512-BF16 (`fp8_packed_native`), `fp8_w8a16_packed_gemm` keeps the same contract against the
+weight repacked once (`fp8_pack`, csrc/fp8_gemm_packed.c): the codes decoded exactly to bf16 in registers and
+multiplied on vdpbf16ps, 8 rows x 32 outputs at a time, faster than the bf16 weight's oneDNN GEMM from 1 to 64
+rows on SmolLM2's shapes (docs/benchmarks.md); fp32 x keeps `fp8_w8a16_gemm` (no silent rounding to bf16).
 """
 from __future__ import annotations
 
