@@ -19,7 +19,7 @@ export TOKENIZERS_PARALLELISM := false
 JUPYTER = PATH="$(ROOT)/$(VENV)/bin:$$PATH" VIRTUAL_ENV="$(ROOT)/$(VENV)" JUPYTER_CONFIG_PATH="$(ROOT)/jupyter/$(1)" \
 	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: venv venv-notriton lab instructor test test-notriton fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-serve-vllm bench-vllm-real bench-steps bench-threads bench-llamacpp bench-kernels bench-cpu-attention bench-skinny-gemm bench-lora bench-lora-gpu bench-allreduce bench-kv-offload fp8-accuracy quant-accuracy quant-gemm bench-act-order quant-step cpu-gemm-rows gpu-check gpu-compile labs grade clean
+.PHONY: venv venv-notriton lab instructor test test-notriton fuzz serve grade-class-bench demo chat perplexity bench bench-spec bench-vllm bench-serve-vllm bench-vllm-real bench-steps bench-floor bench-threads bench-llamacpp bench-kernels bench-cpu-attention bench-skinny-gemm bench-lora bench-lora-gpu bench-allreduce bench-kv-offload fp8-accuracy quant-accuracy quant-gemm bench-act-order quant-step cpu-gemm-rows gpu-check gpu-compile labs grade clean
 
 venv: $(STAMP)
 
@@ -154,6 +154,12 @@ bench-vllm-real: venv $(VLLM_STAMP)
 bench-steps: venv
 	timeout 720 $(PY) -m benchmarks.step_overhead --formats fp32,bf16,gguf --threads 1,2 \
 		--rounds 4 --output-len 64 --phases --machine $(BENCH_ARGS)
+
+# Batch-1 decode against the machine's floor (bytes a step reads / measured read bandwidth): fp32, bf16, gguf and
+# fp8 alternating in one process at 1 and 2 threads, floor / step and each phase's ms (docs/benchmarks.md). ~2 min.
+bench-floor: venv
+	timeout 600 $(PY) -m benchmarks.decode_floor --formats fp32,bf16,gguf,fp8 --threads 1,2 --rounds 3 \
+		--output-len 64 $(BENCH_ARGS)
 
 # make bench's workload at 1 and 2 threads, alternating in one process, fp32 and bf16: tok/s, CPU / wall. ~5 min quiet.
 bench-threads: venv

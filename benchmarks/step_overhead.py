@@ -26,6 +26,7 @@ import statistics
 import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -33,7 +34,8 @@ import torch
 from benchmarks.measure import busy_seconds, cpu_line
 from engine_core.engine import LLMEngine
 from engine_core.models.attention import AttentionPlan
-from engine_core.models.quantization.gguf_q8_0 import Q8_0LinearMethod
+from engine_core.models.linear import Linear
+from engine_core.models.llama import RMSNorm
 from engine_core.request import SamplingParams
 
 FORMATS = ("fp32", "bf16", "gguf")
@@ -194,17 +196,39 @@ def linears_alone_ms(engine: LLMEngine, repeats: int = 5) -> tuple[float, float]
     return 1e3 * wall, 1e3 * cpu
 
 
-def step_bytes(engine: LLMEngine, context: int) -> int:
-    """Bytes a batch-1 decode step reads: every weight as stored (the tied LM head once) plus the K/V of
-    `context` tokens in every layer; a dense embedding the LM head does not read (gguf's head is the file's
-    Q8_0 blocks) counts one row."""
-    runner, model = engine.runner, engine.runner.model
-    args = runner.model_config.args
-    kv = 2 * len(model.layers) * context * args.num_kv_heads * args.head_dim * runner.kv_cache.key[0].element_size()
-    unread = 0
-    if model.embed is not None and isinstance(getattr(model.lm_head_proj, "quant_method", None), Q8_0LinearMethod):
-        unread = model.embed.nbytes - model.embed[0].nbytes
-    return model.weight_bytes() - unread + kv
+@dataclass(frozen=True)
+class StepBytes:
+    """What one batch-1 decode step reads, in bytes."""
+    layers: int  # every layer's projections as stored (scales, zero points, biases) and its norms
+    lm_head: int  # the LM head as stored, the final norm, and the embedding row the step's token looks up
+    kv: int  # the K and V of `context` tokens in every layer, in the cache's dtype
+
+    @property
+    def total(self) -> int:
+        return self.layers + self.lm_head + self.kv
+
+
+def step_bytes(engine: LLMEngine, context: int) -> StepBytes:
+    """The bytes a batch-1 decode step at `context` cached tokens reads, from the loaded model's own storage:
+    each Linear's `weight_bytes` (its scheme's bytes) plus its bias, the norms' weights, the K/V of `context`
+    tokens per layer. The embedding counts one row, or nothing when the LM head is the same tensor (tied and
+    dense: the head reads every row anyway)."""
+    model, cache = engine.runner.model, engine.runner.kv_cache
+    head = model.lm_head_proj
+
+    def linear_bytes(lin: Linear) -> int:
+        bias = getattr(lin, "bias", None)
+        return lin.weight_bytes() + (0 if bias is None else bias.nbytes)
+
+    def norm_bytes(module: torch.nn.Module) -> int:
+        return sum(m.weight.nbytes for m in module.modules() if isinstance(m, RMSNorm))
+
+    layers = sum(linear_bytes(m) for layer in model.layers for m in layer.modules() if isinstance(m, Linear))
+    layers += sum(norm_bytes(layer) for layer in model.layers)
+    embed_row = 0 if getattr(head, "weight", None) is model.embed else model.embed[0].nbytes
+    key = cache.key[0]  # [num_blocks, block_size, kv_heads, head_dim]
+    kv = 2 * len(model.layers) * context * key.shape[2] * key.shape[3] * key.element_size()
+    return StepBytes(layers, linear_bytes(head) + norm_bytes(model.norm) + embed_row, kv)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -235,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
                 phase_rows.append((fmt, t, phases(engine, prompt, a.output_len)))
             if a.machine:
                 fused = next(r for f, tt, n, r in rows if f == fmt and tt == t and n == "fused block")
-                machine_rows.append((fmt, t, step_bytes(engine, a.input_len + a.output_len // 2),
+                machine_rows.append((fmt, t, step_bytes(engine, a.input_len + a.output_len // 2).total,
                                      *read_bandwidth(a.bandwidth_mb), *linears_alone_ms(engine), fused["wall_ms"],
                                      fused["cpu_ms"]))
         del engine
