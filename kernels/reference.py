@@ -50,12 +50,21 @@ def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor, scale: float 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    scale: float, k_scale: float | torch.Tensor = 1.0,
-                    v_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+                    scale: float, k_scale: float | torch.Tensor = 1.0, v_scale: float | torch.Tensor = 1.0, *,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """Varlen causal attention over paged KV. Sequence i owns query rows
     `query_start_loc[i]:query_start_loc[i+1]`, which are its last q_len_i positions
     of `seq_lens[i]` tokens (prefill chunks over a cached prefix and decode rows alike).
-    Computed in fp32, one sequence at a time."""
+    Computed in fp32, one sequence at a time.
+
+    `sliding_window` (vLLM's name; None: full attention): the query at position p attends to the keys at
+    p - sliding_window + 1 .. p only (Hugging Face's `kv_idx > q_idx - window`). The torch backend's path for a
+    model that declares one (the C and Triton kernels have no window; the engine refuses them for such a model).
+    Only the blocks from the first one any query row of a sequence can see are gathered, block
+    max(0, seq_len - q_len - sliding_window + 1) // block_size: the engine freed the ones before it (the same
+    rule at the chunk's first position, `engine_core.core.sliding_window`) and their table slots are never read."""
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     out = torch.empty_like(query)
     block_size = key_cache.shape[1]
     starts = query_start_loc.tolist()
@@ -63,15 +72,21 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         a, b = starts[i], starts[i + 1]
         if a == b:
             continue
-        table = block_tables[i:i + 1, :(seq_len + block_size - 1) // block_size]
-        k = gather_blocks(key_cache, table, k_scale)[:, :seq_len].transpose(1, 2)  # [1, H_kv, seq_len, D]
-        v = gather_blocks(value_cache, table, v_scale)[:, :seq_len].transpose(1, 2)
-        q = query[a:b].float().transpose(0, 1)[None]  # [1, H, q_len, D]
         q_len = b - a
-        # causal, aligned bottom-right: query row r sits at position seq_len - q_len + r
-        mask = None if q_len == seq_len else (
-            torch.arange(seq_len, device=query.device)[None, :]
-            <= torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None])
+        first_block = 0 if sliding_window is None else max(0, seq_len - q_len - sliding_window + 1) // block_size
+        base = first_block * block_size  # the position of the first gathered key
+        table = block_tables[i:i + 1, first_block:(seq_len + block_size - 1) // block_size]
+        k = gather_blocks(key_cache, table, k_scale)[:, :seq_len - base].transpose(1, 2)  # [1, H_kv, n, D]
+        v = gather_blocks(value_cache, table, v_scale)[:, :seq_len - base].transpose(1, 2)
+        q = query[a:b].float().transpose(0, 1)[None]  # [1, H, q_len, D]
+        mask = None  # a whole prompt without a window: SDPA's own causal mask
+        if q_len != seq_len or sliding_window is not None:
+            # causal, aligned bottom-right: query row r sits at position seq_len - q_len + r
+            key_pos = torch.arange(base, seq_len, device=query.device)[None, :]
+            query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+            mask = key_pos <= query_pos
+            if sliding_window is not None:
+                mask &= key_pos > query_pos - sliding_window
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                            enable_gqa=True)
         out[a:b] = o[0].transpose(0, 1).to(query.dtype)

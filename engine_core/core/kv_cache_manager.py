@@ -15,7 +15,7 @@ from engine_core.request import Request
 
 # vLLM's null block: the entry of a table slot whose block was freed (out of the sliding window, or evicted). It
 # belongs to no pool and is never handed to the runner: with a window its row keeps the old id there, never read
-# (kernels/window_attention.py); after an eviction the runner gets the kept blocks only (Scheduler._schedule_chunk).
+# (kernels/reference.py); after an eviction the runner gets the kept blocks only (Scheduler._schedule_chunk).
 NULL_BLOCK = KVCacheBlock(-1)
 
 

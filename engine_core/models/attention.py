@@ -16,7 +16,6 @@ import torch
 import kernels
 from engine_core.models.lora import LoRABatch
 from kernels.scored_attention import paged_attention_scored
-from kernels.window_attention import paged_attention_window
 
 
 @dataclass
@@ -40,7 +39,7 @@ class AttentionMetadata:
     # runner's policy, kernels.split_policy; the result does not depend on it)
     decode_num_splits: int = 1
     output_num_splits: int = 1
-    # the model's sliding window (kernels/window_attention.py, the torch backend only); None: full attention
+    # the model's sliding window (kernels.reference.paged_attention, the torch backend only); None: full attention
     sliding_window: int | None = None
     # kv_eviction "h2o": [num_seqs, max_blocks] fp32, the attention each block of a sequence's row receives, summed
     # over the layers (AttentionPlan.attend_scored adds each layer's); None: not collected
@@ -143,12 +142,13 @@ class AttentionPlan:
         """`attend` / `attend_output_rows` for a windowed model: each row sees its last `sliding_window` keys."""
         meta, cache = self.meta, (kv.key_cache, kv.value_cache)
         if not only_output_rows:
-            return paged_attention_window(query, *cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                          scale, meta.sliding_window, kv.k_scale, kv.v_scale)
+            return kernels.reference.paged_attention(query, *cache, meta.block_tables, meta.seq_lens,
+                                                     meta.query_start_loc, scale, kv.k_scale, kv.v_scale,
+                                                     sliding_window=meta.sliding_window)
         rows = self.output_rows
         one_each = torch.arange(rows.numel() + 1, dtype=torch.int32, device=query.device)
-        return paged_attention_window(query[rows], *cache, *self.output, one_each, scale, meta.sliding_window,
-                                      kv.k_scale, kv.v_scale)
+        return kernels.reference.paged_attention(query[rows], *cache, *self.output, one_each, scale, kv.k_scale,
+                                                 kv.v_scale, sliding_window=meta.sliding_window)
 
     def attend_scored(self, query: torch.Tensor, kv: LayerKV, scale: float, only_output_rows: bool) -> torch.Tensor:
         """`attend` / `attend_output_rows` that also adds the attention each block receives to `meta.block_scores`."""

@@ -103,7 +103,7 @@ class LlamaArgs:
 
     def check_sliding_window(self, max_model_len: int, attention_backend: str, speculative_method: str | None,
                              kv_eviction: str | None = None) -> None:
-        """A window that matters runs on the `torch` backend's windowed attention (kernels/window_attention.py;
+        """A window that matters runs on the `torch` backend's windowed attention (kernels/reference.py;
         "auto" picks it); the cpu and triton kernels and a draft model attend to the whole context: refused."""
         window = self.window(max_model_len)
         if window is None:
