@@ -59,7 +59,9 @@ static float decode_value(uint8_t c) {
 /* where logical byte L (0..63: row L / 2 of the block, k parity L % 2) of a k pair is stored: unpacklo of 128-bit
  * lane l takes its bytes 0-7 as words 8l .. 8l + 7 of the first zmm (rows 0-15), unpackhi bytes 8-15 as those of
  * the second (rows 16-31) */
+#ifndef FP8P_NATIVE /* the vector path reads the layout through its unpacks; only the scalar path needs it */
 static inline int64_t slot(int64_t L) { return L < 32 ? 16 * (L / 8) + L % 8 : 16 * ((L - 32) / 8) + 8 + L % 8; }
+#endif
 
 #ifdef FP8P_NATIVE
 static uint8_t TABLE_HI[128] __attribute__((aligned(64))), TABLE_LO[128] __attribute__((aligned(64)));
