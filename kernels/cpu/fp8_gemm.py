@@ -14,6 +14,7 @@ rows on SmolLM2's shapes (docs/benchmarks.md); fp32 x keeps `fp8_w8a16_gemm` (no
 from __future__ import annotations
 
 import ctypes
+from typing import Callable
 
 import torch
 
@@ -49,19 +50,26 @@ def fp8_w8a16_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, b
             None if lib is not None else f"the C kernels: {load_error()}")
         if problem:
             raise ValueError(f"fp8_w8a16_gemm: {problem}")
-    m, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype)
-    if m and n:
-        with _profiled("kernels.cpu.fp8_w8a16_gemm"):
-            args = Fp8GemmArgs(out.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                               None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                               scale.data_ptr(), m, n, k, x.stride(0), 0 if residual is None else residual.stride(0),
-                               _DTYPES[x.dtype])
-            status = lib.fp8_gemm_w8a16(ctypes.byref(args))
-        if status:  # KERNELS_CPU_NO_MEMORY, its only failure
-            raise MemoryError(f"fp8_w8a16_gemm: no memory for the fp32 copy of x ({m} x {k})")
+    out, status = _call(lib.fp8_gemm_w8a16, "kernels.cpu.fp8_w8a16_gemm", x, weight, weight.shape[0], scale, bias,
+                        residual)
+    if status:  # KERNELS_CPU_NO_MEMORY, its only failure
+        raise MemoryError(f"fp8_w8a16_gemm: no memory for the fp32 copy of x ({x.shape[0]} x {x.shape[1]})")
     return out
+
+
+def _call(fn: Callable[[object], int], label: str, x: torch.Tensor, weight: torch.Tensor, n: int, scale: torch.Tensor,
+          bias: torch.Tensor | None, residual: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """One C GEMM call on checked operands (`weight` row-major or packed: the kernel knows which): the output
+    `[m, n]` in x's dtype and the kernel's status (0 when there was nothing to compute)."""
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=x.dtype)
+    if not (m and n):
+        return out, 0
+    with _profiled(label):
+        args = Fp8GemmArgs(out.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                           None if residual is None else residual.data_ptr(), weight.data_ptr(), scale.data_ptr(),
+                           m, n, k, x.stride(0), 0 if residual is None else residual.stride(0), _DTYPES[x.dtype])
+        return out, fn(ctypes.byref(args))
 
 
 def fp8_packed_native(lib: ctypes.CDLL | None = None) -> bool:
@@ -107,16 +115,8 @@ def fp8_w8a16_packed_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Te
             None if lib is not None else f"the C kernels: {load_error()}")
         if problem:
             raise ValueError(f"fp8_w8a16_packed_gemm: {problem}")
-    m, k = x.shape
-    out = torch.empty(m, n, dtype=x.dtype)
-    if m and n:
-        with _profiled("kernels.cpu.fp8_w8a16_packed_gemm"):
-            args = Fp8GemmArgs(out.data_ptr(), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                               None if residual is None else residual.data_ptr(), packed.data_ptr(),
-                               scale.data_ptr(), m, n, k, x.stride(0), 0 if residual is None else residual.stride(0),
-                               1)
-            lib.fp8_gemm_w8a16_packed(ctypes.byref(args))  # KERNELS_CPU_OK: it allocates nothing
-    return out
+    return _call(lib.fp8_gemm_w8a16_packed, "kernels.cpu.fp8_w8a16_packed_gemm", x, packed, n, scale, bias,
+                 residual)[0]  # its status is always KERNELS_CPU_OK: it allocates nothing
 
 
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
