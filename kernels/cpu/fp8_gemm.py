@@ -7,7 +7,7 @@ Contract: `F.linear(x.double(), q.double() * scale[:, None], bias)` within fp32 
 the output in x's dtype (bf16: rounded once after the bias), then the residual added as `skinny_gemm` does.
 
 For bf16 x on AVX512-BF16 (`fp8_packed_native`), `fp8_w8a16_packed_gemm` keeps the same contract against the
-weight repacked once (`fp8_pack`, csrc/fp8_gemm_packed.c): the codes decoded exactly to bf16 in registers and
+weight repacked once (`fp8_pack`, csrc/packed_gemm.c): the codes decoded exactly to bf16 in registers and
 multiplied on vdpbf16ps, 8 rows x 32 outputs at a time, faster than the bf16 weight's oneDNN GEMM from 1 to 64
 rows on SmolLM2's shapes (docs/benchmarks.md); fp32 x keeps `fp8_w8a16_gemm` (no silent rounding to bf16).
 """
@@ -25,8 +25,8 @@ __all__ = ["PACK_BLOCK", "fp8_dequantize", "fp8_pack", "fp8_packed_native", "fp8
            "fp8_w8a16_gemm", "fp8_w8a16_packed_gemm"]
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the activation dtypes, as the C call's `bf16` flag
-PACK_BLOCK = 32  # output rows of a packed block (csrc/fp8_gemm_packed.c's BLOCK)
-# where each of a k pair's 64 codes (row r's two at 2r, 2r + 1) is stored: csrc/fp8_gemm_packed.c's `slot`, the
+PACK_BLOCK = 32  # output rows of a packed block (csrc/packed_gemm.c's BLOCK)
+# where each of a k pair's 64 codes (row r's two at 2r, 2r + 1) is stored: csrc/packed_gemm.c's `slot`, the
 # order in which its byte interleave (within 128-bit lanes) yields rows 0-15, then 16-31
 _SLOT = torch.tensor([16 * (i // 8) + i % 8 if i < 32 else 16 * ((i - 32) // 8) + 8 + i % 8 for i in range(64)])
 
@@ -76,13 +76,13 @@ def fp8_packed_native(lib: ctypes.CDLL | None = None) -> bool:
     """Whether the library computes the packed GEMM for bf16 x on AVX512-BF16 dot products (elsewhere it is a
     slow reference in C, and the engine keeps the row-major weight and `fp8_w8a16_gemm`)."""
     lib = lib or load()
-    return lib is not None and bool(lib.fp8_packed_native(1))
+    return lib is not None and bool(lib.packed_gemm_native(1))
 
 
 def fp8_pack(q: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn `[n, k]` -> the same codes as `[ceil(n / 32), ceil(k / 2), 64]` (zero codes padding n and k):
     for each block of 32 output rows and each pair of k, the 32 rows' two codes side by side (in `_SLOT`'s order),
-    the layout vdpbf16ps multiplies with a pair of x (csrc/fp8_gemm_packed.c). One byte a weight, as before."""
+    the layout vdpbf16ps multiplies with a pair of x (csrc/packed_gemm.c). One byte a weight, as before."""
     if q.dtype != torch.float8_e4m3fn or q.dim() != 2:
         raise ValueError(f"fp8_pack: q must be float8_e4m3fn [n, k], got {q.dtype} {tuple(q.shape)}")
     n, k = q.shape

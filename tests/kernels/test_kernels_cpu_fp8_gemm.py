@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import ctypes
 import re
-import subprocess
 
 import pytest
 import torch
 
 from kernels.cpu import load, load_error
-from kernels.cpu.build import CSRC, build, detected
+from kernels.cpu.build import build
 from kernels.cpu.fp8_gemm import (fp8_dequantize, fp8_pack, fp8_packed_native, fp8_unpack, fp8_w8a16_applies,
                                   fp8_w8a16_gemm, fp8_w8a16_packed_gemm)
-from kernels.cpu.interface import SIGNATURES, declare
+from kernels.cpu.interface import declare
+from planted_c import assert_each_bug_caught
 
 U = 2.0**-24
 FP8 = torch.float8_e4m3fn
@@ -256,27 +256,10 @@ PLANTED_C = [("subnormals off by a factor 2", "(float)mant / 512.0f", "(float)ma
 
 @pytest.mark.skipif(not fp8_packed_native(), reason="the planted lines are in the AVX512-BF16 path")
 def test_packed_planted_bugs_in_the_c_source_fail_these_tests(tmp_path) -> None:
-    """Each bug compiled into fp8_gemm_packed.c alone (its one export) fails the exact decode or the float64 bound;
+    """Each bug compiled into packed_gemm.c alone (its one export) fails the exact decode or the float64 bound;
     the same file compiled as it is passes both."""
-    source = (CSRC / "fp8_gemm_packed.c").read_text()
-    tc = detected()
-    for i, (what, line, planted) in enumerate([("nothing", "", ""), *PLANTED_C]):
-        assert source.count(line) == 1 or not line, what
-        (tmp_path / "fp8_gemm_packed.c").write_text(source.replace(line, planted) if line else source)
-        out = tmp_path / f"planted{i}.so"
-        done = subprocess.run([tc.cc, *tc.flags, f"-I{CSRC}", str(tmp_path / "fp8_gemm_packed.c"), "-o", str(out)],
-                              capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
-        lib = ctypes.CDLL(str(out))
-        lib.fp8_gemm_w8a16_packed.argtypes, lib.fp8_gemm_w8a16_packed.restype = SIGNATURES["fp8_gemm_w8a16_packed"]
-        caught = 0
-        for check in (test_packed_every_finite_code_decodes_exactly,
-                      test_packed_matches_the_float64_product):
-            try:
-                check(lib)
-            except AssertionError:
-                caught += 1
-        assert caught == 0 if not line else caught, f"planted bug not caught: {what}" if line else "the file as it is"
+    assert_each_bug_caught(tmp_path, "packed_gemm.c", ["fp8_gemm_w8a16_packed"], PLANTED_C,
+                           [test_packed_every_finite_code_decodes_exactly, test_packed_matches_the_float64_product])
 
 
 def test_packed_fused_residual_strided_rows_and_the_thread_count() -> None:
@@ -316,5 +299,5 @@ def test_packed_bad_inputs_are_refused_with_the_parameter_named() -> None:
             fp8_w8a16_packed_gemm(*args)
     with pytest.raises(ValueError, match="fp8_pack: q must be float8_e4m3fn"):
         fp8_pack(q.float())
-    assert fp8_packed_native() == (load() is not None and bool(load().fp8_packed_native(1)))
-    assert not _libs()[1].fp8_packed_native(1) and not load().fp8_packed_native(0)
+    assert fp8_packed_native() == (load() is not None and bool(load().packed_gemm_native(1)))
+    assert not _libs()[1].packed_gemm_native(1) and not load().packed_gemm_native(0)

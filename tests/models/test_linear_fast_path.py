@@ -2,7 +2,8 @@
 for a few rows (up to `SKINNY_MAX_ROWS`) `kernels.cpu.skinny_gemm` on the unpacked weight.
 
 bf16 takes the packed path only where oneDNN runs bf16 natively (AVX512-BF16, AMX); elsewhere these tests
-check `F.linear`, the fallback. Tolerance: the product is accumulated in fp32 (gamma_K ~ K u32 of
+check `F.linear`, the fallback. On AVX512-BF16 without AMX the packed copy is `bf16_pack`'s and the rows run
+`kernels.cpu.packed_gemm` instead of oneDNN, under the same bounds. Tolerance: the product is accumulated in fp32 (gamma_K ~ K u32 of
 sum |x| |w|, Higham 3.1) and rounded once to the output dtype (u_out of |y|, u_bf16 = 2^-8)."""
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from torch import nn
 
 from engine_core.models.linear import Linear
-from engine_core.models.quantization.unquantized import onednn_bf16_available
+from engine_core.models.quantization.unquantized import bf16_packed_applies, onednn_bf16_available
+from kernels.cpu.packed_gemm import bf16_pack, bf16_packed_gemm
 from kernels.cpu.skinny_gemm import SKINNY_MAX_ROWS
 
 U32, U_BF16 = 2.0 ** -24, 2.0 ** -8
@@ -59,6 +61,20 @@ def test_bf16_takes_the_packed_path_where_onednn_has_bf16() -> None:
     lin = _layer(32, 64, torch.bfloat16, False, torch.Generator().manual_seed(0))
     lin(torch.randn(SKINNY_MAX_ROWS[torch.bfloat16] + 1, 64).bfloat16())
     assert (lin._packed is not None) == onednn_bf16_available()
+
+
+def test_bf16_runs_the_packed_kernel_on_avx512_bf16_without_amx() -> None:
+    """There the copy is bf16_pack's (oneDNN's is never made) and the output is the kernel's, bias and residual
+    included; elsewhere the copy is oneDNN's."""
+    gen = torch.Generator().manual_seed(2)
+    lin = _layer(40, 67, torch.bfloat16, True, gen)
+    x, residual = torch.randn(13, 67, generator=gen).bfloat16(), torch.randn(13, 40, generator=gen).bfloat16()
+    y = lin(x, residual)
+    if bf16_packed_applies():
+        assert lin._packed.shape == (2, 34, 32, 2) and torch.equal(lin._packed, bf16_pack(lin.weight))
+        assert torch.equal(y, bf16_packed_gemm(x, bf16_pack(lin.weight), 40, lin.bias, residual))
+    else:
+        assert lin._packed is None or lin._packed.shape != (2, 34, 32, 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -19,6 +19,11 @@ At one to a few rows (a small-batch decode step) a linear is a read of its weigh
 streamed it at half the memory's rate, plus a fixed cost per call (docs/benchmarks.md): up to `SKINNY_MAX_ROWS`
 rows go to `kernels.cpu.skinny_gemm` on the unpacked weight instead (no packed copy is made for a layer only such
 steps use), with the same rounding and residual order as the packed path of the same dtype.
+
+bf16 on a CPU with AVX512-BF16 and no AMX runs the other rows on `kernels.cpu.packed_gemm` instead of oneDNN: the
+fp8 packed GEMM's microkernel on the bf16 weight packed once (made on first use, remade when the weight changes,
+like oneDNN's copy, which is then never made): 1.0-1.9x oneDNN's bf16 inner product at 8-64 rows, level at 256,
+3-5% behind at 2048 (a prefill chunk) on a Zen 4 core; SmolLM2 at batch 8-32 1.13-1.21x. Where the CPU has AMX, oneDNN's tiles keep the bf16 GEMMs (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_core.models.quantization.base import LinearMethodBase
-from kernels.cpu.skinny_gemm import skinny_gemm, skinny_gemm_applies
+from kernels.cpu.packed_gemm import bf16_pack, bf16_packed_gemm, bf16_packed_native
+from kernels.cpu.skinny_gemm import _cpu_has_amx, skinny_gemm, skinny_gemm_applies
 
 PACK_BATCH_HINT = 64  # the row count oneDNN picks its weight layout for: a full decode step
 
@@ -48,8 +54,15 @@ def _cpu_has_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+@functools.cache
+def bf16_packed_applies() -> bool:
+    """bf16 linears past the skinny rows run `bf16_packed_gemm` here: AVX512-BF16 without AMX."""
+    return bf16_packed_native() and not _cpu_has_amx()
+
+
 class UnquantizedLinearMethod(LinearMethodBase):
-    """The weight as loaded (model dtype); the layer keeps `_packed` / `_packed_version` for oneDNN."""
+    """The weight as loaded (model dtype); the layer keeps `_packed` / `_packed_version`: oneDNN's copy, or
+    `bf16_pack`'s where `bf16_packed_applies`."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         layer._packed, layer._packed_version = None, -1
@@ -58,6 +71,10 @@ class UnquantizedLinearMethod(LinearMethodBase):
         if skinny_gemm_applies(x, layer.weight, layer.bias, residual):  # a few rows: stream the unpacked weight
             return skinny_gemm(x, layer.weight, layer.bias, residual, check=False)
         packed = _packed_weight(layer, x)
+        if packed is not None and x.dtype == torch.bfloat16 and bf16_packed_applies():  # bf16_pack's layout
+            x = x if x.stride(-1) == 1 else x.contiguous()
+            residual = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
+            return bf16_packed_gemm(x, packed, layer.weight.shape[0], layer.bias, residual, check=False)
         if packed is None:
             y = F.linear(x, layer.weight, layer.bias)
             return y if residual is None else residual + y
@@ -78,6 +95,9 @@ def _packed_weight(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         return layer._packed  # the per-step path (~200 calls a step): nothing more to check
     if not (onednn_available() if x.dtype == torch.float32 else x.dtype == torch.bfloat16 and onednn_bf16_available()):
         return None
-    layer._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
+    if x.dtype == torch.bfloat16 and bf16_packed_applies():
+        layer._packed = bf16_pack(w.detach())
+    else:
+        layer._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)
     layer._packed_version = w._version
     return layer._packed

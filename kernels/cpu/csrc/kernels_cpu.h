@@ -120,8 +120,10 @@ int ggml_mul_mat_a8(const ggml_mul_mat_a8_args *a);
 int fp8_gemm_w8a16(const fp8_gemm_args *a);
 /* the same product, bf16 x only, w packed by fp8_gemm.py's fp8_pack ([ceil(n/32)][ceil(k/2)][64] codes) */
 int fp8_gemm_w8a16_packed(const fp8_gemm_args *a);
-/* 1 where this build computes fp8_gemm_w8a16_packed for x of this dtype on AVX512-BF16 dot products */
-int fp8_packed_native(int64_t bf16);
+/* skinny_gemm's product for bf16 x, w packed by packed_gemm.py's bf16_pack ([ceil(n/32)][ceil(k/2)][32][2]) */
+void bf16_gemm_packed(const skinny_gemm_args *a);
+/* 1 where this build computes the two packed GEMMs for x of this dtype on AVX512-BF16 dot products */
+int packed_gemm_native(int64_t bf16);
 /* the elementwise ops: few enough arguments to pass them as they are (x rows x_stride apart, out contiguous) */
 void rms_norm_f32(float *out, const float *x, const float *weight, int64_t rows, int64_t width, int64_t x_stride,
                   float eps);

@@ -1,7 +1,9 @@
-/* Weight-only fp8 (W8A16) for bf16 activations on AVX512-BF16: y = x @ (q * scale).T (+ bias) (+ residual), the
- * products on vdpbf16ps (two bf16 products a lane, summed in fp32) with the weight kept in e4m3 bytes.
+/* GEMMs for bf16 activations on AVX512-BF16 against a weight repacked once in blocks of 32 output rows, the
+ * products on vdpbf16ps (two bf16 products a lane, summed in fp32), one microkernel for two weight formats:
+ * weight-only fp8 (W8A16), y = x @ (q * scale).T (+ bias) (+ residual) with the weight kept in e4m3 bytes, and
+ * bf16, y = x @ w.T (+ bias) (+ residual) (`bf16_gemm_packed`, below the fp8 description).
  *
- * The weight is repacked once at load (kernels/cpu/fp8_gemm.py `fp8_pack`, the same bytes permuted) into blocks
+ * fp8: the weight is repacked once at load (kernels/cpu/fp8_gemm.py `fp8_pack`, the same bytes permuted) into blocks
  * of 32 output rows: packed [ceil(n / 32)][ceil(k / 2)][64], zero codes in the n and k padding. The 64 bytes of
  * one k pair of a block hold its 32 rows' two codes each (logical byte L = 2 row + k's parity), in the order
  * that decodes into two zmm of bf16 pairs, rows 0-15 and 16-31 (`slot`): vdpbf16ps multiplies each with a
@@ -22,8 +24,16 @@
  * chain (issue 46 measured the other way, a block's k decoded once into an L2 buffer that every row group
  * rereads: 10-20% slower at 16-64 rows once the decode was table lookups; wider row groups, 10-14, no faster).
  * More than ROWS rows rerun the block (its codes then come from L1/L2). OpenMP over blocks.
+ *
+ * bf16 (kernels/cpu/packed_gemm.py `bf16_pack`): packed [ceil(n / 32)][ceil(k / 2)][32][2] bf16, zeros in the
+ * padding: a k pair's 128 bytes are its 32 rows' two weights each in row order, two zmm loaded as they are,
+ * the same tile with no decode and no scale. The products of two bf16 values are exact in fp32, so its bound is
+ * the fp8 one; the output rounds as the bf16 linear's (bias added in fp32, one rounding, then the residual as
+ * skinny_gemm.c adds it). Against oneDNN's packed bf16 inner product on a Zen 4 core it is 1.0-1.9x faster at
+ * 8-64 rows, level at 256 and 3-5% behind at 2048 (docs/benchmarks.md), so on CPUs without AMX the bf16 linears
+ * run here.
  * Builds without AVX512-BF16 and VBMI compute the same sums in fp32 one value at a time (correct, slow: the engine
- * packs weights only where `fp8_packed_native` says this build has the fast path). */
+ * packs weights only where `packed_gemm_native` says this build has the fast path). */
 #include <stdint.h>
 #include <string.h>
 
@@ -39,7 +49,7 @@ enum { BLOCK = 32, ROWS = 8 }; /* output rows of a block; rows of x per microker
 
 #define INLINE static inline __attribute__((always_inline))
 
-int fp8_packed_native(int64_t bf16) {
+int packed_gemm_native(int64_t bf16) {
 #ifdef FP8P_NATIVE
     return bf16 != 0;
 #else
@@ -59,8 +69,15 @@ static float decode_value(uint8_t c) {
 /* where logical byte L (0..63: row L / 2 of the block, k parity L % 2) of a k pair is stored: unpacklo of 128-bit
  * lane l takes its bytes 0-7 as words 8l .. 8l + 7 of the first zmm (rows 0-15), unpackhi bytes 8-15 as those of
  * the second (rows 16-31) */
-#ifndef FP8P_NATIVE /* the vector path reads the layout through its unpacks; only the scalar path needs it */
+#ifndef FP8P_NATIVE /* the vector path reads the layouts through its loads and unpacks; the scalar path needs these */
 static inline int64_t slot(int64_t L) { return L < 32 ? 16 * (L / 8) + L % 8 : 16 * ((L - 32) / 8) + 8 + L % 8; }
+
+/* weight (j, i) of a packed block layout, as fp32 (the scalar path) */
+static float packed_value(const void *w, int fp8, int64_t pairs, int64_t j, int64_t i) {
+    const int64_t at = (j / BLOCK) * pairs * 64 + (i / 2) * 64;
+    if (fp8) return decode_value(((const uint8_t *)w)[at + slot(2 * (j % BLOCK) + i % 2)]);
+    return bf16_to_f32(((const bf16_t *)w)[at + 2 * (j % BLOCK) + i % 2]);
+}
 #endif
 
 #ifdef FP8P_NATIVE
@@ -104,11 +121,16 @@ INLINE __m512bh x_pair(const bf16_t *x, int64_t p, int tail) {
     return (__m512bh)_mm512_set1_epi32((int)v);
 }
 
-/* acc[r] += x[r] . the block's weights at k pair p, r < rows */
-INLINE void pair_step(const uint8_t *w, const tables *table, int64_t p, const bf16_t *x, int64_t x_stride,
+/* acc[r] += x[r] . the block's weights at k pair p, r < rows; w: fp8 codes (decoded) or bf16 pairs (loaded) */
+INLINE void pair_step(const void *w, const tables *table, int fp8, int64_t p, const bf16_t *x, int64_t x_stride,
                       int rows, int tail, __m512 acc[ROWS][2]) {
     __m512i w0, w1;
-    decode64(w + p * 64, table, &w0, &w1);
+    if (fp8) {
+        decode64((const uint8_t *)w + p * 64, table, &w0, &w1);
+    } else {
+        w0 = _mm512_loadu_si512((const bf16_t *)w + p * 64);
+        w1 = _mm512_loadu_si512((const bf16_t *)w + p * 64 + 32);
+    }
     for (int r = 0; r < rows; r++) {
         const __m512bh xb = x_pair(x + r * x_stride, p, tail);
         acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)w0, xb);
@@ -116,19 +138,21 @@ INLINE void pair_step(const uint8_t *w, const tables *table, int64_t p, const bf
     }
 }
 
-/* acc[r][0..1] = rows of x (x_stride apart) . one block's weights over k; w: the packed codes of the block.
- * rows a constant after inlining. */
-INLINE void tile(const uint8_t *w, const bf16_t *x, int64_t x_stride, int rows, int64_t k,
+/* acc[r][0..1] = rows of x (x_stride apart) . one block's weights over k; w: the packed block. rows and fp8
+ * constants after inlining. */
+INLINE void tile(const void *w, int fp8, const bf16_t *x, int64_t x_stride, int rows, int64_t k,
                  __m512 acc[ROWS][2]) {
     const int64_t full = k / 2;
-    const tables table = load_tables();
+    tables table;
+    if (fp8) table = load_tables();
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < full; p++) pair_step(w, &table, p, x, x_stride, rows, 0, acc);
-    if (k & 1) pair_step(w, &table, full, x, x_stride, rows, 1, acc);
+    for (int64_t p = 0; p < full; p++) pair_step(w, &table, fp8, p, x, x_stride, rows, 0, acc);
+    if (k & 1) pair_step(w, &table, fp8, full, x, x_stride, rows, 1, acc);
 }
 
-/* the block's outputs n0 .. n0 + 31 (those < n) of `rows` rows: acc * scale + bias, rounded to bf16, + residual */
-INLINE void epilogue(const fp8_gemm_args *a, int64_t row0, int rows, int64_t n0, __m512 acc[ROWS][2]) {
+/* the block's outputs n0 .. n0 + 31 (those < n) of `rows` rows: acc * scale (fp8) + bias, rounded to bf16,
+ * + residual */
+INLINE void epilogue(const fp8_gemm_args *a, int fp8, int64_t row0, int rows, int64_t n0, __m512 acc[ROWS][2]) {
     const int64_t n = a->n;
     const bf16_t *bias = a->bias, *residual = a->residual;
     bf16_t *y = a->y;
@@ -136,13 +160,13 @@ INLINE void epilogue(const fp8_gemm_args *a, int64_t row0, int rows, int64_t n0,
         const int64_t c = n0 + 16 * h;
         if (c >= n) break;
         const __mmask16 mask = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1);
-        const __m512 s = _mm512_maskz_loadu_ps(mask, a->scale + c);
+        const __m512 s = fp8 ? _mm512_maskz_loadu_ps(mask, a->scale + c) : _mm512_set1_ps(1.0f);
         const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
                                     _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + c)), 16))
                               : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++) {
             const int64_t row = row0 + r;
-            __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[r][h], s, b));
+            __m256i out = (__m256i)_mm512_cvtneps_pbh(fp8 ? _mm512_fmadd_ps(acc[r][h], s, b) : _mm512_add_ps(acc[r][h], b));
             if (residual) { /* bf16(out) + residual, rounded again */
                 const __m512 res = _mm512_castsi512_ps(_mm512_slli_epi32(
                     _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, residual + row * a->residual_stride + c)),
@@ -157,11 +181,11 @@ INLINE void epilogue(const fp8_gemm_args *a, int64_t row0, int rows, int64_t n0,
 
 #define TILE_CASE(R)                                               \
     case R:                                                        \
-        tile(w, x + r0 * xs, xs, R, k, acc);                       \
+        tile(w, fp8, x + r0 * xs, xs, R, k, acc);                  \
         break
 
-/* every row of x, ROWS at a time, against one block's codes w (outputs n0 .. n0 + 31) */
-INLINE void block_rows(const fp8_gemm_args *a, const uint8_t *w, int64_t n0) {
+/* every row of x, ROWS at a time, against one packed block w (outputs n0 .. n0 + 31) */
+INLINE void block_rows(const fp8_gemm_args *a, int fp8, const void *w, int64_t n0) {
     const int64_t m = a->m, k = a->k, xs = a->x_stride;
     const bf16_t *x = a->x;
     for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
@@ -169,40 +193,46 @@ INLINE void block_rows(const fp8_gemm_args *a, const uint8_t *w, int64_t n0) {
         const int rows = m - r0 < ROWS ? (int)(m - r0) : ROWS;
         switch (rows) {
             TILE_CASE(1); TILE_CASE(2); TILE_CASE(3); TILE_CASE(4); TILE_CASE(5); TILE_CASE(6); TILE_CASE(7);
-        default: tile(w, x + r0 * xs, xs, ROWS, k, acc); break;
+        default: tile(w, fp8, x + r0 * xs, xs, ROWS, k, acc); break;
         }
-        epilogue(a, r0, rows, n0, acc);
+        epilogue(a, fp8, r0, rows, n0, acc);
     }
 }
 #endif
 
-int fp8_gemm_w8a16_packed(const fp8_gemm_args *a) {
+/* the two exports' body; fp8 a constant after inlining. bf16 x only. */
+INLINE void packed_gemm(const fp8_gemm_args *a, int fp8) {
     const int64_t n = a->n, k = a->k, pairs = (k + 1) / 2;
-    const uint8_t *w = a->w;
-    if (!a->bf16) return KERNELS_CPU_OK; /* bf16 x only (fp8_gemm.py refuses others) */
+    const int64_t block_bytes = pairs * 64 * (fp8 ? 1 : 2);
 #ifdef FP8P_NATIVE
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;
 #pragma omp parallel for schedule(static) if (n * k >= SKINNY_PARALLEL_MIN)
-    for (int64_t j = 0; j < blocks; j++) block_rows(a, w + j * pairs * 64, j * BLOCK);
-    return KERNELS_CPU_OK;
+    for (int64_t j = 0; j < blocks; j++) block_rows(a, fp8, (const char *)a->w + j * block_bytes, j * BLOCK);
 #else
+    (void)block_bytes;
     const int64_t m = a->m;
     const bf16_t *x = a->x, *bias = a->bias, *residual = a->residual;
     bf16_t *y = a->y;
 #pragma omp parallel for schedule(static) if (n * k >= SKINNY_PARALLEL_MIN)
     for (int64_t j = 0; j < n; j++) {
-        const uint8_t *wj = w + (j / BLOCK) * pairs * 64;
         for (int64_t r = 0; r < m; r++) {
             float acc = 0.0f;
-            for (int64_t i = 0; i < k; i++) {
-                const uint8_t code = wj[(i / 2) * 64 + slot(2 * (j % BLOCK) + i % 2)];
-                acc += bf16_to_f32(x[r * a->x_stride + i]) * decode_value(code);
-            }
-            const float out = acc * a->scale[j] + (bias ? bf16_to_f32(bias[j]) : 0.0f);
+            for (int64_t i = 0; i < k; i++) acc += bf16_to_f32(x[r * a->x_stride + i]) * packed_value(a->w, fp8, pairs, j, i);
+            const float out = (fp8 ? acc * a->scale[j] : acc) + (bias ? bf16_to_f32(bias[j]) : 0.0f);
             y[r * n + j] = residual ? f32_to_bf16(bf16_round(out) + bf16_to_f32(residual[r * a->residual_stride + j]))
                                     : f32_to_bf16(out);
         }
     }
-    return KERNELS_CPU_OK;
 #endif
+}
+
+int fp8_gemm_w8a16_packed(const fp8_gemm_args *a) {
+    if (a->bf16) packed_gemm(a, 1); /* bf16 x only (fp8_gemm.py refuses others) */
+    return KERNELS_CPU_OK;
+}
+
+void bf16_gemm_packed(const skinny_gemm_args *a) {
+    const fp8_gemm_args args = {a->y, a->x, a->bias, a->residual, a->w, NULL, a->m, a->n, a->k,
+                                a->x_stride, a->residual_stride, 1};
+    packed_gemm(&args, 0);
 }
