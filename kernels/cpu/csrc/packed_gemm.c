@@ -28,8 +28,9 @@
  * bf16 (kernels/cpu/packed_gemm.py `bf16_pack`): packed [ceil(n / 32)][ceil(k / 2)][32][2] bf16, zeros in the
  * padding: a k pair's 128 bytes are its 32 rows' two weights each in row order, two zmm loaded as they are,
  * the same tile with no decode and no scale. The products of two bf16 values are exact in fp32, so its bound is
- * the fp8 one; the output rounds as the bf16 linear's (bias added in fp32, one rounding, then the residual as
- * skinny_gemm.c adds it). Against oneDNN's packed bf16 inner product on a Zen 4 core it is 1.0-1.9x faster at
+ * the fp8 one, save that a subnormal bf16 input (below 2^-126) counts as zero, as in every vdpbf16ps kernel
+ * (skinny_gemm.c's, oneDNN's); the output rounds as the bf16 linear's (bias added in fp32, one rounding, then the
+ * residual as skinny_gemm.c adds it). Against oneDNN's packed bf16 inner product on a Zen 4 core it is 1.0-1.9x faster at
  * 8-64 rows, level at 256 and 3-5% behind at 2048 (docs/benchmarks.md), so on CPUs without AMX the bf16 linears
  * run here.
  * Builds without AVX512-BF16 and VBMI compute the same sums in fp32 one value at a time (correct, slow: the engine
@@ -42,7 +43,7 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
-#define FP8P_NATIVE 1
+#define PACKED_NATIVE 1
 #endif
 
 enum { BLOCK = 32, ROWS = 8 }; /* output rows of a block; rows of x per microkernel call */
@@ -50,7 +51,7 @@ enum { BLOCK = 32, ROWS = 8 }; /* output rows of a block; rows of x per microker
 #define INLINE static inline __attribute__((always_inline))
 
 int packed_gemm_native(int64_t bf16) {
-#ifdef FP8P_NATIVE
+#ifdef PACKED_NATIVE
     return bf16 != 0;
 #else
     (void)bf16;
@@ -69,7 +70,7 @@ static float decode_value(uint8_t c) {
 /* where logical byte L (0..63: row L / 2 of the block, k parity L % 2) of a k pair is stored: unpacklo of 128-bit
  * lane l takes its bytes 0-7 as words 8l .. 8l + 7 of the first zmm (rows 0-15), unpackhi bytes 8-15 as those of
  * the second (rows 16-31) */
-#ifndef FP8P_NATIVE /* the vector path reads the layouts through its loads and unpacks; the scalar path needs these */
+#ifndef PACKED_NATIVE /* the vector path reads the layouts through its loads and unpacks; the scalar path needs these */
 static inline int64_t slot(int64_t L) { return L < 32 ? 16 * (L / 8) + L % 8 : 16 * ((L - 32) / 8) + 8 + L % 8; }
 
 /* weight (j, i) of a packed block layout, as fp32 (the scalar path) */
@@ -80,7 +81,7 @@ static float packed_value(const void *w, int fp8, int64_t pairs, int64_t j, int6
 }
 #endif
 
-#ifdef FP8P_NATIVE
+#ifdef PACKED_NATIVE
 static uint8_t TABLE_HI[128] __attribute__((aligned(64))), TABLE_LO[128] __attribute__((aligned(64)));
 
 /* the bf16 bits of every magnitude code, split in bytes, once at load */
@@ -204,7 +205,7 @@ INLINE void block_rows(const fp8_gemm_args *a, int fp8, const void *w, int64_t n
 INLINE void packed_gemm(const fp8_gemm_args *a, int fp8) {
     const int64_t n = a->n, k = a->k, pairs = (k + 1) / 2;
     const int64_t block_bytes = pairs * 64 * (fp8 ? 1 : 2);
-#ifdef FP8P_NATIVE
+#ifdef PACKED_NATIVE
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;
 #pragma omp parallel for schedule(static) if (n * k >= SKINNY_PARALLEL_MIN)
     for (int64_t j = 0; j < blocks; j++) block_rows(a, fp8, (const char *)a->w + j * block_bytes, j * BLOCK);
