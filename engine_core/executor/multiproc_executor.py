@@ -38,6 +38,9 @@ from engine_core.outputs import ModelRunnerOutput
 STARTUP_TIMEOUT_S = float(os.environ.get("ENGINE_CORE_WORKER_STARTUP_TIMEOUT_S", 600))
 STEP_TIMEOUT_S = float(os.environ.get("ENGINE_CORE_WORKER_STEP_TIMEOUT_S", 300))
 CONTROL_PORT_OFFSET = 1  # the engine listens for other nodes' workers on MASTER_PORT + 1
+# how long a failing step waits for another rank's exit before blaming the rank that raised: a killed process
+# closes its sockets first and is reaped after its memory is torn down (tens to hundreds of ms)
+PEER_DEATH_GRACE_S = 2.0
 
 
 def rendezvous() -> tuple[str, int, bytes]:
@@ -256,9 +259,9 @@ class MultiprocExecutor(Executor):
                 except (EOFError, OSError):
                     self._fail(f"{what}: {self._death(rank)}")
                 if status == "error":
-                    dead = [r for r, p in enumerate(self.procs) if p is not None and not p.is_alive()]
-                    if dead:  # a rank whose peer died fails in the collective: the death is the cause
-                        self._fail(f"{what}: {self._death(dead[0])} (worker {rank} then raised:\n{result})")
+                    dead = self._peer_death(rank)
+                    if dead is not None:  # a rank whose peer died fails in the collective: the death is the cause
+                        self._fail(f"{what}: {self._death(dead)} (worker {rank} then raised:\n{result})")
                     self._fail(f"{what}: worker {rank} raised:\n{result}")
                 results[rank], self._comm[rank] = result, comm
                 del pending[rank]
@@ -269,6 +272,14 @@ class MultiprocExecutor(Executor):
 
     def _death(self, rank: int) -> str:
         return death(rank, self.procs[rank])
+
+    def _peer_death(self, rank: int) -> int | None:
+        """A local rank other than `rank` whose process has ended, or ends within PEER_DEATH_GRACE_S: a killed
+        peer's sockets close as its exit begins, so the collective fails in `rank` a moment before the peer's exit
+        is visible (seen in CI: the error named the survivor). Only a failing step waits."""
+        others = {p.sentinel: r for r, p in enumerate(self.procs) if p is not None and r != rank}
+        ready = wait(list(others), timeout=PEER_DEATH_GRACE_S) if others else []
+        return others[ready[0]] if ready else None
 
     def _fail(self, message: str) -> None:
         self._dead = f"the parallel engine stopped: {message}"

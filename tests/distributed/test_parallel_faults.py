@@ -110,3 +110,36 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _exit_after(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_failing_rank_waits_briefly_for_a_peer_exit_before_it_is_blamed(monkeypatch):
+    """A killed peer's sockets close before its exit is visible, so the rank in the collective raises first: the
+    executor looks for a peer's exit (the process sentinel) for PEER_DEATH_GRACE_S before it blames the rank that
+    raised. A peer that exits within the grace is named; one still running after it is not."""
+    import multiprocessing
+
+    from engine_core.executor import multiproc_executor
+    from engine_core.executor.multiproc_executor import MultiprocExecutor
+
+    ctx = multiprocessing.get_context("spawn")
+    monkeypatch.setattr(multiproc_executor, "PEER_DEATH_GRACE_S", 60.0)  # a loaded machine's exit comes within it
+    exiting = ctx.Process(target=_exit_after, args=(0.5,))
+    exiting.start()
+    try:
+        fake = type("Executor", (), {"procs": [None, exiting]})()
+        assert MultiprocExecutor._peer_death(fake, 0) == 1
+    finally:
+        exiting.join(30)
+    monkeypatch.setattr(multiproc_executor, "PEER_DEATH_GRACE_S", 0.2)
+    running = ctx.Process(target=_exit_after, args=(NEVER_S,))
+    running.start()
+    try:
+        fake = type("Executor", (), {"procs": [running, None]})()
+        assert MultiprocExecutor._peer_death(fake, 1) is None  # rank 1 raised; rank 0 still runs: rank 1 is named
+    finally:
+        running.kill()
+        running.join(30)
