@@ -17,10 +17,11 @@ import torch
 from kernels.cpu import _profiled, load, load_error
 from kernels.cpu.interface import SkinnyGemmArgs
 
-__all__ = ["SKINNY_MAX_ROWS", "skinny_gemm", "skinny_gemm_applies"]
+__all__ = ["SKINNY_MAX_ROWS", "cpu_has_amx", "skinny_gemm", "skinny_gemm_applies"]
 
 
-def _cpu_has_amx() -> bool:
+def cpu_has_amx() -> bool:
+    """oneDNN can run bf16 on AMX tiles here (the bf16 paths' crossovers differ: docs/benchmarks.md)."""
     is_amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(is_amx and is_amx())
 
@@ -29,7 +30,7 @@ def _cpu_has_amx() -> bool:
 # AMD Zen 4 (AVX512-BF16): fp32 1.45x, 1.72x, 1.13x at 1-3 rows, 0.97x at 4; bf16 1.70x, 1.92x, 1.23x, 1.06x at 1-4,
 # 0.82x at 8. Intel Xeon with AMX, where oneDNN's bf16 runs on the tiles: fp32 1.14x, 1.15x, 1.09x at 1-3, 1.02x at
 # 4; bf16 1.17x, 1.09x at 1-2, 0.95x at 3, 0.88x at 4.
-SKINNY_MAX_ROWS = {torch.float32: 3, torch.bfloat16: 2 if _cpu_has_amx() else 4}
+SKINNY_MAX_ROWS = {torch.float32: 3, torch.bfloat16: 2 if cpu_has_amx() else 4}
 
 
 def skinny_gemm_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

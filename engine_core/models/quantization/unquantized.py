@@ -23,7 +23,8 @@ steps use), with the same rounding and residual order as the packed path of the 
 bf16 on a CPU with AVX512-BF16 and no AMX runs the other rows on `kernels.cpu.packed_gemm` instead of oneDNN: the
 fp8 packed GEMM's microkernel on the bf16 weight packed once (made on first use, remade when the weight changes,
 like oneDNN's copy, which is then never made): 1.0-1.9x oneDNN's bf16 inner product at 8-64 rows, level at 256,
-3-5% behind at 2048 (a prefill chunk) on a Zen 4 core; SmolLM2 at batch 8-32 1.13-1.21x. Where the CPU has AMX, oneDNN's tiles keep the bf16 GEMMs (docs/benchmarks.md).
+3-5% behind at 2048 (a prefill chunk) on a Zen 4 core; SmolLM2 at batch 8-32 1.13-1.21x. Where the CPU has AMX,
+oneDNN's tiles keep the bf16 GEMMs (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from torch import nn
 
 from engine_core.models.quantization.base import LinearMethodBase
 from kernels.cpu.packed_gemm import bf16_pack, bf16_packed_gemm, bf16_packed_native
-from kernels.cpu.skinny_gemm import _cpu_has_amx, skinny_gemm, skinny_gemm_applies
+from kernels.cpu.skinny_gemm import cpu_has_amx, skinny_gemm, skinny_gemm_applies
 
 PACK_BATCH_HINT = 64  # the row count oneDNN picks its weight layout for: a full decode step
 
@@ -57,7 +58,7 @@ def _cpu_has_bf16() -> bool:
 @functools.cache
 def bf16_packed_applies() -> bool:
     """bf16 linears past the skinny rows run `bf16_packed_gemm` here: AVX512-BF16 without AMX."""
-    return bf16_packed_native() and not _cpu_has_amx()
+    return bf16_packed_native() and not cpu_has_amx()
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
