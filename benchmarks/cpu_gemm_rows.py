@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from benchmarks.measure import busy_seconds, cpu_line
 from engine_core.models.quantization.unquantized import PACK_BATCH_HINT, onednn_bf16_available
-from kernels.cpu.fp8_gemm import fp8_dequantize, fp8_pack, fp8_packed_native, fp8_w8a16_gemm, fp8_w8a16_packed_gemm
+from kernels.cpu.fp8_gemm import fp8_dequantize, fp8_pack, fp8_w8a16_gemm, fp8_w8a16_packed_gemm
 from kernels.cpu.ggml_a8 import ggml_mul_mat_a8, pack_q4_1
-from kernels.cpu.packed_gemm import bf16_pack, bf16_packed_gemm, bf16_packed_native
+from kernels.cpu.packed_gemm import bf16_pack, bf16_packed_gemm, packed_gemm_native
 
 SHAPES = "3072x576,576x1536"  # SmolLM2: gate|up [2 x 1536, 576], down [576, 1536]
 
@@ -54,9 +54,9 @@ def paths(n: int, k: int, m: int) -> dict[str, Callable[[], object]]:
             **({"bf16 oneDNN": lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")}
                if onednn is not None else {}),
             **({"bf16 packed": lambda: bf16_packed_gemm(x, bf16_packed, n, check=False)}
-               if bf16_packed_native() else {}),  # AVX512-BF16 only
+               if packed_gemm_native() else {}),  # AVX512-BF16 only
             **({"fp8 packed": lambda: fp8_w8a16_packed_gemm(x, fp8_packed, scale, check=False)}
-               if fp8_packed_native() else {}),  # AVX512-BF16 only
+               if packed_gemm_native() else {}),  # AVX512-BF16 only
             "fp8 kernel": lambda: fp8_w8a16_gemm(x, q8, scale, check=False),
             "fp8 deq+bf16": lambda: F.linear(x, fp8_dequantize(q8, scale, torch.bfloat16)),
             "q4_1 kernel": lambda: ggml_mul_mat_a8(x, packed),

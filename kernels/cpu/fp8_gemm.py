@@ -6,7 +6,7 @@ call on SmolLM2, issue 46). This kernel keeps the weight at one byte a value (ha
 Contract: `F.linear(x.double(), q.double() * scale[:, None], bias)` within fp32 summation (K u of sum |x w|),
 the output in x's dtype (bf16: rounded once after the bias), then the residual added as `skinny_gemm` does.
 
-For bf16 x on AVX512-BF16 (`fp8_packed_native`), `fp8_w8a16_packed_gemm` keeps the same contract against the
+For bf16 x on AVX512-BF16 (`packed_gemm_native`), `fp8_w8a16_packed_gemm` keeps the same contract against the
 weight repacked once (`fp8_pack`, csrc/packed_gemm.c): the codes decoded exactly to bf16 in registers and
 multiplied on vdpbf16ps, 8 rows x 32 outputs at a time, faster than the bf16 weight's oneDNN GEMM from 1 to 64
 rows on SmolLM2's shapes (docs/benchmarks.md); fp32 x keeps `fp8_w8a16_gemm` (no silent rounding to bf16).
@@ -20,12 +20,12 @@ import torch
 
 from kernels.cpu import _profiled, load, load_error
 from kernels.cpu.interface import Fp8GemmArgs
+from kernels.cpu.packed_gemm import PACK_BLOCK
 
-__all__ = ["PACK_BLOCK", "fp8_dequantize", "fp8_pack", "fp8_packed_native", "fp8_unpack", "fp8_w8a16_applies",
+__all__ = ["fp8_dequantize", "fp8_pack", "fp8_unpack", "fp8_w8a16_applies",
            "fp8_w8a16_gemm", "fp8_w8a16_packed_gemm"]
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the activation dtypes, as the C call's `bf16` flag
-PACK_BLOCK = 32  # output rows of a packed block (csrc/packed_gemm.c's BLOCK)
 # where each of a k pair's 64 codes (row r's two at 2r, 2r + 1) is stored: csrc/packed_gemm.c's `slot`, the
 # order in which its byte interleave (within 128-bit lanes) yields rows 0-15, then 16-31
 _SLOT = torch.tensor([16 * (i // 8) + i % 8 if i < 32 else 16 * ((i - 32) // 8) + 8 + i % 8 for i in range(64)])
@@ -70,13 +70,6 @@ def _call(fn: Callable[[object], int], label: str, x: torch.Tensor, weight: torc
                            None if residual is None else residual.data_ptr(), weight.data_ptr(), scale.data_ptr(),
                            m, n, k, x.stride(0), 0 if residual is None else residual.stride(0), _DTYPES[x.dtype])
         return out, fn(ctypes.byref(args))
-
-
-def fp8_packed_native(lib: ctypes.CDLL | None = None) -> bool:
-    """Whether the library computes the packed GEMM for bf16 x on AVX512-BF16 dot products (elsewhere it is a
-    slow reference in C, and the engine keeps the row-major weight and `fp8_w8a16_gemm`)."""
-    lib = lib or load()
-    return lib is not None and bool(lib.packed_gemm_native(1))
 
 
 def fp8_pack(q: torch.Tensor) -> torch.Tensor:

@@ -17,14 +17,15 @@ from kernels.cpu import _profiled, load, load_error
 from kernels.cpu.interface import SkinnyGemmArgs
 from kernels.cpu.skinny_gemm import _problem
 
-__all__ = ["PACK_BLOCK", "bf16_pack", "bf16_packed_gemm", "bf16_packed_native"]
+__all__ = ["PACK_BLOCK", "bf16_pack", "bf16_packed_gemm", "packed_gemm_native"]
 
-PACK_BLOCK = 32  # output rows of a packed block (csrc/packed_gemm.c's BLOCK)
+PACK_BLOCK = 32  # output rows of a packed block, bf16 or fp8 (csrc/packed_gemm.c's BLOCK)
 
 
-def bf16_packed_native(lib: ctypes.CDLL | None = None) -> bool:
-    """Whether the library computes the packed GEMM on AVX512-BF16 dot products (elsewhere it is a slow reference
-    in C, and the engine keeps oneDNN)."""
+def packed_gemm_native(lib: ctypes.CDLL | None = None) -> bool:
+    """Whether the library computes the packed GEMMs (bf16 here, fp8's `fp8_w8a16_packed_gemm`) for bf16 x on
+    AVX512-BF16 dot products; elsewhere they are a slow reference in C, and the engine keeps oneDNN for bf16 weights
+    and the row-major fp8 weight with `fp8_w8a16_gemm`."""
     lib = lib or load()
     return lib is not None and bool(lib.packed_gemm_native(1))
 

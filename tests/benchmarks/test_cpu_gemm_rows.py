@@ -7,8 +7,7 @@ import torch
 from benchmarks import cpu_gemm_rows
 from benchmarks.measure import cpu_line
 from engine_core.models.quantization.unquantized import onednn_bf16_available
-from kernels.cpu.fp8_gemm import fp8_packed_native
-from kernels.cpu.packed_gemm import bf16_packed_native
+from kernels.cpu.packed_gemm import packed_gemm_native
 
 CPUINFO = "processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu avx512f avx512_vnni amx_bf16 amx_tile\n"
 
@@ -29,9 +28,9 @@ def test_cpu_gemm_rows_prints_every_path(capsys) -> None:
     out = capsys.readouterr().out
     assert out.startswith("CPU: ")
     # the columns of the paths this CPU runs: oneDNN's bf16 where it has bf16 kernels, the AVX512-BF16 kernels
-    optional = [("bf16 oneDNN | ", onednn_bf16_available()), ("bf16 packed | ", bf16_packed_native()),
-                ("fp8 packed | ", fp8_packed_native())]
-    bf16_cols, fp8_col = "".join(c for c, on in optional[:2] if on), optional[2][0] if optional[2][1] else ""
-    assert f"| weight | M | bf16 | {bf16_cols}{fp8_col}fp8 kernel | fp8 deq+bf16 | q4_1 kernel | q4_1 deq+bf16 |" in out
+    optional = [("bf16 oneDNN | ", onednn_bf16_available()), ("bf16 packed | ", packed_gemm_native()),
+                ("fp8 packed | ", packed_gemm_native())]
+    cols = "".join(c for c, on in optional if on)
+    assert f"| weight | M | bf16 | {cols}fp8 kernel | fp8 deq+bf16 | q4_1 kernel | q4_1 deq+bf16 |" in out
     rows = [ln for ln in out.splitlines() if ln.startswith(("| 3072x576 | 2 |", "| 576x1536 | 2 |"))]
     assert len(rows) == 2 and all(len(r.split("|")) == 9 + sum(on for _, on in optional) for r in rows)

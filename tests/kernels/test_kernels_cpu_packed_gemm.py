@@ -20,7 +20,7 @@ from kernels.cpu import load
 from kernels.cpu.build import build
 from kernels.cpu.interface import declare
 from planted_c import assert_each_bug_caught
-from kernels.cpu.packed_gemm import PACK_BLOCK, bf16_pack, bf16_packed_gemm, bf16_packed_native
+from kernels.cpu.packed_gemm import PACK_BLOCK, bf16_pack, bf16_packed_gemm, packed_gemm_native
 
 U = 2.0**-24
 # (m, n, k): rows across the group of 8 and its remainders, n across 16 / 32, k odd and even
@@ -123,7 +123,7 @@ def test_bad_inputs_are_refused_with_the_parameter_named() -> None:
             bf16_packed_gemm(*args)
     with pytest.raises(ValueError, match=re.escape("bf16_pack: w must be bf16 [n, k]")):
         bf16_pack(w.float())
-    assert bf16_packed_native() == (load() is not None and bool(load().packed_gemm_native(1)))
+    assert packed_gemm_native() == (load() is not None and bool(load().packed_gemm_native(1)))
 
 
 def test_planted_bugs_miss_the_bound() -> None:
@@ -160,7 +160,7 @@ PLANTED_C = [("odd k's last pair dropped", "if (k & 1) pair_step", "if (0) pair_
               "const int64_t block_bytes = pairs * 64;")]
 
 
-@pytest.mark.skipif(not bf16_packed_native(), reason="the planted lines are in the AVX512-BF16 path")
+@pytest.mark.skipif(not packed_gemm_native(), reason="the planted lines are in the AVX512-BF16 path")
 def test_planted_bugs_in_the_c_source_fail_these_tests(tmp_path) -> None:
     """Each bug compiled into packed_gemm.c alone (its exports) fails the float64 bound or the placement test;
     the same file compiled as it is passes both."""

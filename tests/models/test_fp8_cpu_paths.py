@@ -15,7 +15,7 @@ from torch import nn
 from engine_core.models.linear import Linear
 from engine_core.models.quantization import Fp8LinearMethod, fp8
 from engine_core.models.quantization.fp8 import FP8_KERNEL_MAX_ROWS
-from kernels.cpu.fp8_gemm import fp8_packed_native
+from kernels.cpu.packed_gemm import packed_gemm_native
 
 U = 2.0**-24
 pytestmark = pytest.mark.usefixtures(one_torch_thread.__name__)
@@ -45,8 +45,8 @@ def test_every_path_matches_the_float64_weight_only_product(monkeypatch, dtype, 
         monkeypatch.setattr(fp8, name, counted)
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **kw: pytest.fail("_scaled_mm called on CPU"))
     if not packing:  # what a CPU without AVX512-BF16 runs
-        monkeypatch.setattr(fp8, "fp8_packed_native", lambda: False)
-    packed = dtype == torch.bfloat16 and packing and fp8_packed_native()
+        monkeypatch.setattr(fp8, "packed_gemm_native", lambda: False)
+    packed = dtype == torch.bfloat16 and packing and packed_gemm_native()
     layer = _layer(dtype)
     assert layer.weight_fp8.dtype == torch.float8_e4m3fn and layer.weight_fp8.dim() == (3 if packed else 2)
     assert layer.weight_bytes() == (2 * 32 * 96 if packed else 40 * 96) + 40 * 4  # a byte a weight (packed: n to 64)

@@ -20,7 +20,7 @@ computes the sum and applies both scales in its fp32 epilogue.
 CPUs have no fp8 arithmetic (`torch._scaled_mm` on CPU converts the weight each call: 224 ms a call on
 SmolLM2, issue 46), so on CPU the scheme is weight-only (W8A16, as vLLM's Marlin fallback on GPUs without fp8):
 the activation strategy does not apply, x stays in the model's dtype and `kernels.cpu.fp8_gemm` widens the fp8
-weight inside the product. bf16 models on CPUs with AVX512-BF16 (`fp8_packed_native`) repack the weight once at
+weight inside the product. bf16 models on CPUs with AVX512-BF16 (`packed_gemm_native`) repack the weight once at
 load (`fp8_pack`: the same bytes in blocks of 32 rows x pairs of k, still one byte a weight, the row-major copy
 freed) and every call runs `fp8_w8a16_packed_gemm`: e4m3 decoded exactly to bf16 and multiplied on vdpbf16ps, at
 every batch (issue 46: faster than the bf16 weight's oneDNN GEMM from 1 to 64 rows on SmolLM2's shapes). Elsewhere
@@ -40,8 +40,9 @@ from torch import nn
 import kernels
 from engine_core.models.quantization.base import LinearMethodBase, add_bias_residual, triton_kernels_apply
 from engine_core.models.quantization.int8 import convert_to_channelwise
-from kernels.cpu.fp8_gemm import (fp8_dequantize, fp8_pack, fp8_packed_native, fp8_unpack, fp8_w8a16_applies,
-                                  fp8_w8a16_gemm, fp8_w8a16_packed_gemm)
+from kernels.cpu.fp8_gemm import (fp8_dequantize, fp8_pack, fp8_unpack, fp8_w8a16_applies, fp8_w8a16_gemm,
+                                  fp8_w8a16_packed_gemm)
+from kernels.cpu.packed_gemm import packed_gemm_native
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448: where quantization saturates
@@ -149,7 +150,7 @@ class Fp8LinearMethod(LinearMethodBase):
         check_fp8_supported(w.device)
         q, scale = quantize_weight_fp8(w, self.logical_widths or [w.shape[0]], self.weight_strategy)
         del layer.weight
-        if self.use_kernel and w.dtype == torch.bfloat16 and w.is_cpu and fp8_packed_native():
+        if self.use_kernel and w.dtype == torch.bfloat16 and w.is_cpu and packed_gemm_native():
             q = fp8_pack(q)  # the row-major codes freed: one copy, one byte a weight
         layer.register_buffer("weight_fp8", q)
         layer.register_buffer("weight_scale", scale)

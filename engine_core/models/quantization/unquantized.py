@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_core.models.quantization.base import LinearMethodBase
-from kernels.cpu.packed_gemm import bf16_pack, bf16_packed_gemm, bf16_packed_native
+from kernels.cpu.packed_gemm import bf16_pack, bf16_packed_gemm, packed_gemm_native
 from kernels.cpu.skinny_gemm import cpu_has_amx, skinny_gemm, skinny_gemm_applies
 
 PACK_BATCH_HINT = 64  # the row count oneDNN picks its weight layout for: a full decode step
@@ -58,7 +58,7 @@ def _cpu_has_bf16() -> bool:
 @functools.cache
 def bf16_packed_applies() -> bool:
     """bf16 linears past the skinny rows run `bf16_packed_gemm` here: AVX512-BF16 without AMX."""
-    return bf16_packed_native() and not cpu_has_amx()
+    return packed_gemm_native() and not cpu_has_amx()
 
 
 class UnquantizedLinearMethod(LinearMethodBase):

@@ -30,9 +30,9 @@
  * the same tile with no decode and no scale. The products of two bf16 values are exact in fp32, so its bound is
  * the fp8 one, save that a subnormal bf16 input (below 2^-126) counts as zero, as in every vdpbf16ps kernel
  * (skinny_gemm.c's, oneDNN's); the output rounds as the bf16 linear's (bias added in fp32, one rounding, then the
- * residual as skinny_gemm.c adds it). Against oneDNN's packed bf16 inner product on a Zen 4 core it is 1.0-1.9x faster at
- * 8-64 rows, level at 256 and 3-5% behind at 2048 (docs/benchmarks.md), so on CPUs without AMX the bf16 linears
- * run here.
+ * residual as skinny_gemm.c adds it). Against oneDNN's packed bf16 inner product on a Zen 4 core it is 1.0-1.9x
+ * faster at 8-64 rows, level at 256 and 3-5% behind at 2048 (docs/benchmarks.md), so on CPUs without AMX the bf16
+ * linears run here.
  * Builds without AVX512-BF16 and VBMI compute the same sums in fp32 one value at a time (correct, slow: the engine
  * packs weights only where `packed_gemm_native` says this build has the fast path). */
 #include <stdint.h>
@@ -167,7 +167,8 @@ INLINE void epilogue(const fp8_gemm_args *a, int fp8, int64_t row0, int rows, in
                               : _mm512_setzero_ps();
         for (int r = 0; r < rows; r++) {
             const int64_t row = row0 + r;
-            __m256i out = (__m256i)_mm512_cvtneps_pbh(fp8 ? _mm512_fmadd_ps(acc[r][h], s, b) : _mm512_add_ps(acc[r][h], b));
+            const __m512 sum = fp8 ? _mm512_fmadd_ps(acc[r][h], s, b) : _mm512_add_ps(acc[r][h], b);
+            __m256i out = (__m256i)_mm512_cvtneps_pbh(sum);
             if (residual) { /* bf16(out) + residual, rounded again */
                 const __m512 res = _mm512_castsi512_ps(_mm512_slli_epi32(
                     _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, residual + row * a->residual_stride + c)),
@@ -218,7 +219,8 @@ INLINE void packed_gemm(const fp8_gemm_args *a, int fp8) {
     for (int64_t j = 0; j < n; j++) {
         for (int64_t r = 0; r < m; r++) {
             float acc = 0.0f;
-            for (int64_t i = 0; i < k; i++) acc += bf16_to_f32(x[r * a->x_stride + i]) * packed_value(a->w, fp8, pairs, j, i);
+            for (int64_t i = 0; i < k; i++)
+                acc += bf16_to_f32(x[r * a->x_stride + i]) * packed_value(a->w, fp8, pairs, j, i);
             const float out = (fp8 ? acc * a->scale[j] : acc) + (bias ? bf16_to_f32(bias[j]) : 0.0f);
             y[r * n + j] = residual ? f32_to_bf16(bf16_round(out) + bf16_to_f32(residual[r * a->residual_stride + j]))
                                     : f32_to_bf16(out);
