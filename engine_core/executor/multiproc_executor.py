@@ -38,9 +38,10 @@ from engine_core.outputs import ModelRunnerOutput
 STARTUP_TIMEOUT_S = float(os.environ.get("ENGINE_CORE_WORKER_STARTUP_TIMEOUT_S", 600))
 STEP_TIMEOUT_S = float(os.environ.get("ENGINE_CORE_WORKER_STEP_TIMEOUT_S", 300))
 CONTROL_PORT_OFFSET = 1  # the engine listens for other nodes' workers on MASTER_PORT + 1
-# how long a failing step waits for another rank's exit before blaming the rank that raised: a killed process
-# closes its sockets first and is reaped after its memory is torn down (tens to hundreds of ms)
-PEER_DEATH_GRACE_S = 2.0
+# how long a dying worker may take to be reaped: a killed process closes its pipe and sockets first and exits after
+# its memory is torn down, which took over a second on 2 loaded cores (CI). A failing step waits this long for a
+# peer's exit before blaming the rank that raised, and for a closed pipe's exit code.
+EXIT_GRACE_S = 5.0
 
 
 def rendezvous() -> tuple[str, int, bytes]:
@@ -274,11 +275,11 @@ class MultiprocExecutor(Executor):
         return death(rank, self.procs[rank])
 
     def _peer_death(self, rank: int) -> int | None:
-        """A local rank other than `rank` whose process has ended, or ends within PEER_DEATH_GRACE_S: a killed
+        """A local rank other than `rank` whose process has ended, or ends within EXIT_GRACE_S: a killed
         peer's sockets close as its exit begins, so the collective fails in `rank` a moment before the peer's exit
         is visible (seen in CI: the error named the survivor). Only a failing step waits."""
         others = {p.sentinel: r for r, p in enumerate(self.procs) if p is not None and r != rank}
-        ready = wait(list(others), timeout=PEER_DEATH_GRACE_S) if others else []
+        ready = wait(list(others), timeout=EXIT_GRACE_S) if others else []
         return others[ready[0]] if ready else None
 
     def _fail(self, message: str) -> None:
@@ -310,7 +311,7 @@ def death(rank: int, proc: Any) -> str:
     """How worker `rank` ended, for an EngineDeadError."""
     if proc is None:
         return f"worker {rank} (on another node) closed its connection"
-    proc.join(1.0)  # a closed pipe comes a moment before the exit code
+    proc.join(EXIT_GRACE_S)  # a closed pipe comes a moment before the exit code
     code = proc.exitcode
     how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else
            f"exit code {code}" if code is not None else "its pipe closed")

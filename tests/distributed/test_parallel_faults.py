@@ -118,7 +118,7 @@ def _exit_after(seconds: float) -> None:
 
 def test_a_failing_rank_waits_briefly_for_a_peer_exit_before_it_is_blamed(monkeypatch):
     """A killed peer's sockets close before its exit is visible, so the rank in the collective raises first: the
-    executor looks for a peer's exit (the process sentinel) for PEER_DEATH_GRACE_S before it blames the rank that
+    executor looks for a peer's exit (the process sentinel) for EXIT_GRACE_S before it blames the rank that
     raised. A peer that exits within the grace is named; one still running after it is not."""
     import multiprocessing
 
@@ -126,7 +126,7 @@ def test_a_failing_rank_waits_briefly_for_a_peer_exit_before_it_is_blamed(monkey
     from engine_core.executor.multiproc_executor import MultiprocExecutor
 
     ctx = multiprocessing.get_context("spawn")
-    monkeypatch.setattr(multiproc_executor, "PEER_DEATH_GRACE_S", 60.0)  # a loaded machine's exit comes within it
+    monkeypatch.setattr(multiproc_executor, "EXIT_GRACE_S", 60.0)  # a loaded machine's exit comes within it
     exiting = ctx.Process(target=_exit_after, args=(0.5,))
     exiting.start()
     try:
@@ -134,7 +134,7 @@ def test_a_failing_rank_waits_briefly_for_a_peer_exit_before_it_is_blamed(monkey
         assert MultiprocExecutor._peer_death(fake, 0) == 1
     finally:
         exiting.join(30)
-    monkeypatch.setattr(multiproc_executor, "PEER_DEATH_GRACE_S", 0.2)
+    monkeypatch.setattr(multiproc_executor, "EXIT_GRACE_S", 0.2)
     running = ctx.Process(target=_exit_after, args=(NEVER_S,))
     running.start()
     try:
